@@ -1,0 +1,30 @@
+# fxpar: `make test` and `make demo` each set up .venv on a fresh machine, then run.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.fxpar-installed
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install test lint demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet -e ".[test,viz]"
+	$(PY) -c "import torch, torchvision, mpi4py.MPI; print('torch', torch.__version__, \
+	'torchvision', torchvision.__version__, 'MPI', mpi4py.MPI.Get_library_version().split(chr(10))[0])"
+	touch $@
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check fxpar passes models tools tests
+
+test: $(STAMP) lint
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+
+demo: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/demo.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,217 @@
+"""The user's parallel plan and the rank map it implies.
+
+A :class:`Plan` is pure configuration: it is validated on construction (so a bad plan fails
+before anything is traced or any rank talks to another) and it knows nothing about the model.
+:class:`RankMap` turns a plan into "which rank runs which stage, tile, copy and data-parallel
+replica" — the same answer on every rank, computed without MPI.
+
+Roles of one layout are listed flat: the tiles of stage 0, then those of stage 1, ...::
+
+    stages=3, spatial_stages=1, spatial_parts=2          N = 2 + 1 + 1 = 4 roles
+
+    role j        0       1       2       3
+    (stage,tile)  (0,0)   (0,1)   (1,0)   (2,0)
+    copy 0 rank   0       1       2       3          rank = d*N + j
+    copy 1 rank   3       2       1       0          rank = d*N + (N-1-j)   (GEMS mirror)
+
+``d`` is the data-parallel index: D copies of the whole layout sit side by side.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+SCHEDULES = ("gpipe", "1f1b")
+SLICES = ("vertical", "horizontal", "square")
+
+
+class PlanError(ValueError):
+    """A plan (or a plan/model/batch combination) that cannot work; the message says what to
+    change."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How to spread one model over MPI ranks. The defaults are the trivial plan: one rank.
+
+    The MPI4DL flag each field replaces is given in brackets.
+    """
+
+    stages: int = 1
+    """Consecutive pieces the graph is cut into, one rank (group) each; 1 means no layer
+    parallelism. [--split-size]"""
+    balance: tuple[int, ...] | None = None
+    """Optional explicit cut: how many compute nodes of the topological order each stage gets
+    (``len == stages``); None lets the cost model choose. [--balance]"""
+    microbatches: int = 1
+    """Micro-batches each step's batch is split into for pipelining; 1 means no pipelining.
+    [--parts]"""
+    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    """Pipeline schedule: "gpipe" (all forwards, then all backwards) or "1f1b"."""
+    spatial_parts: int = 1
+    """Tiles each spatial stage's image is cut into, one rank each; 1 means no spatial
+    parallelism. [--num-spatial-parts]"""
+    slice: Literal["vertical", "horizontal", "square"] = "square"
+    """How tiles cut the image: "vertical" strips (split W), "horizontal" strips (split H), or
+    a "square" grid of rows x cols = spatial_parts, as close to square as possible.
+    [--slice-method]"""
+    spatial_stages: int = 1
+    """How many leading stages run spatially (used only when spatial_parts > 1).
+    [--spatial-size]"""
+    gems: bool = False
+    """Bidirectional GEMS: a mirrored second model copy on the same ranks, in reverse order."""
+    gems_times: int = 1
+    """Rounds of each GEMS copy per optimizer step. [--times]"""
+    data_parallel: int = 1
+    """Copies of the whole layout, each on its own ranks and its own part of the batch; 1 means
+    no data parallelism. [--local-DP]"""
+
+    def __post_init__(self) -> None:
+        if self.balance is not None:
+            # Accept any sequence from users (lists from JSON/CLI); store an immutable tuple.
+            object.__setattr__(self, "balance", tuple(self.balance))
+        for problem in self.problems():
+            raise PlanError(problem)
+
+    def problems(self) -> list[str]:
+        """Every reason this plan cannot work, each saying what to change (empty if valid)."""
+        out: list[str] = []
+
+        def positive_int(name: str) -> bool:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                out.append(f"Plan.{name} must be an integer >= 1, got {value!r}")
+                return False
+            return True
+
+        ok = all([positive_int(n) for n in
+                  ("stages", "microbatches", "spatial_parts", "spatial_stages", "gems_times",
+                   "data_parallel")])
+        if self.schedule not in SCHEDULES:
+            out.append(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.slice not in SLICES:
+            out.append(f"Plan.slice must be one of {SLICES}, got {self.slice!r}")
+        if not isinstance(self.gems, bool):
+            out.append(f"Plan.gems must be True or False, got {self.gems!r}")
+        if ok and self.spatial_parts > 1 and self.spatial_stages > self.stages:
+            out.append(
+                f"Plan.spatial_stages={self.spatial_stages} exceeds stages={self.stages}: "
+                f"set spatial_stages <= stages (the spatial stages are the leading ones)")
+        if ok and self.gems_times > 1 and not self.gems:
+            out.append("Plan.gems_times > 1 needs gems=True (it counts rounds of each GEMS copy)")
+        if self.balance is not None:
+            if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.balance):
+                out.append(f"Plan.balance entries must be integers >= 1, got {self.balance!r}")
+            elif ok and len(self.balance) != self.stages:
+                out.append(
+                    f"Plan.balance has {len(self.balance)} entries but stages={self.stages}: "
+                    f"give one node count per stage")
+        return out
+
+    @property
+    def spatial(self) -> bool:
+        """True when the leading stages run on image tiles."""
+        return self.spatial_parts > 1
+
+    @property
+    def copies(self) -> int:
+        """Model copies per layout: 2 with GEMS, else 1."""
+        return 2 if self.gems else 1
+
+    def tile_grid(self) -> tuple[int, int]:
+        """(rows, cols) of the tile grid: how many parts H and W are cut into."""
+        p = self.spatial_parts
+        if self.slice == "horizontal":
+            return (p, 1)
+        if self.slice == "vertical":
+            return (1, p)
+        rows = max(d for d in range(1, math.isqrt(p) + 1) if p % d == 0)
+        return (rows, p // rows)
+
+    def group_size(self, stage: int) -> int:
+        """Ranks that run one copy of ``stage``: the tiles of a spatial stage, else 1."""
+        return self.spatial_parts if self.spatial and stage < self.spatial_stages else 1
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan needs (``mpiexec -n``)."""
+        return self.data_parallel * RankMap(self).layout_size
+
+    def chunks(self) -> int:
+        """Equal, contiguous parts each global batch is cut into (DP x GEMS x rounds x mbs)."""
+        return self.data_parallel * self.copies * self.gems_times * self.microbatches
+
+    def check_batch(self, batch_size: int) -> None:
+        """Raise PlanError unless ``batch_size`` splits into this plan's equal chunks."""
+        n = self.chunks()
+        if batch_size % n:
+            parts = [f"data_parallel={self.data_parallel}"]
+            if self.gems:
+                parts.append(f"2 GEMS copies x gems_times={self.gems_times}")
+            parts.append(f"microbatches={self.microbatches}")
+            raise PlanError(
+                f"batch size {batch_size} does not split into {n} equal chunks "
+                f"({' x '.join(parts)}): use a batch size that is a multiple of {n}, "
+                f"or change those fields")
+
+
+@dataclass(frozen=True)
+class Role:
+    """One piece of work in a layout: a stage's tile of one model copy."""
+
+    copy: int
+    stage: int
+    tile: int
+
+
+@dataclass(frozen=True)
+class RankMap:
+    """Which rank runs which (data-parallel index, copy, stage, tile). Pure; no MPI."""
+
+    plan: Plan
+    roles: tuple[tuple[int, int], ...] = field(init=False)
+    """(stage, tile) of each role of one layout, in rank order of copy 0."""
+
+    def __post_init__(self) -> None:
+        p = self.plan
+        flat = tuple((s, t) for s in range(p.stages) for t in range(p.group_size(s)))
+        object.__setattr__(self, "roles", flat)
+
+    @property
+    def layout_size(self) -> int:
+        """Ranks in one layout (one data-parallel replica)."""
+        return len(self.roles)
+
+    def rank_of(self, dp: int, copy: int, stage: int, tile: int = 0) -> int:
+        """The rank that runs ``tile`` of ``stage`` of model ``copy`` in replica ``dp``."""
+        j = self.roles.index((stage, tile))
+        n = self.layout_size
+        return dp * n + (j if copy == 0 else n - 1 - j)
+
+    def group(self, dp: int, copy: int, stage: int) -> tuple[int, ...]:
+        """Ranks of one stage's group, in tile order."""
+        return tuple(self.rank_of(dp, copy, stage, t) for t in range(self.plan.group_size(stage)))
+
+    def dp_index(self, rank: int) -> int:
+        """The data-parallel replica ``rank`` belongs to."""
+        return rank // self.layout_size
+
+    def roles_of(self, rank: int) -> tuple[Role, ...]:
+        """Every role ``rank`` plays: one per model copy (GEMS gives two)."""
+        n = self.layout_size
+        j = rank % n
+        out = [Role(0, *self.roles[j])]
+        if self.plan.gems:
+            out.append(Role(1, *self.roles[n - 1 - j]))
+        return tuple(out)
+
+    def describe(self) -> list[dict[str, object]]:
+        """One row per rank (for fxpar-inspect and the saved plan JSON)."""
+        rows: list[dict[str, object]] = []
+        for r in range(self.plan.world_size):
+            for role in self.roles_of(r):
+                rows.append({"rank": r, "dp": self.dp_index(r), "copy": role.copy,
+                             "stage": role.stage, "tile": role.tile})
+        return rows

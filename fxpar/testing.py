@@ -1,0 +1,125 @@
+"""Run test cases on N ranks under a real ``mpiexec``; never hang.
+
+Each ``mpiexec`` launch pays seconds of ``import torch`` per rank, so many cases share one
+launch: :func:`run_cases` starts ``mpiexec -n N python -m fxpar.testing CASE...`` once and each
+rank runs the cases in order. A case is a function in a file, ``"path/to/file.py::name"``,
+called with no arguments on every rank (it gets the world from :func:`fxpar.comm.world`).
+
+Ranks leave a marker per case (started / passed / traceback) in a scratch folder. When a case
+raises on any rank, that rank writes its traceback and aborts the whole job (so no rank waits
+forever on a peer that died); the harness also kills the job's process group after ``timeout``.
+Cases that never finished are reported with the case each rank was in.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """What happened to one case across all ranks."""
+
+    case: str
+    passed: bool
+    report: str
+
+    def check(self) -> None:
+        """Raise AssertionError with every failing rank's traceback unless the case passed."""
+        if not self.passed:
+            raise AssertionError(f"{self.case} failed under mpiexec:\n{self.report}")
+
+
+def mpiexec() -> str:
+    """The ``mpiexec`` that belongs to this Python (the mpich wheel's), else the one on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    found = str(here) if here.exists() else shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError("mpiexec not found: `pip install mpich` (or load your MPI module)")
+    return found
+
+
+def _marker(folder: Path, case: str, rank: int, kind: str) -> Path:
+    safe = case.replace("/", "_").replace(":", "_").replace(".", "_")
+    return folder / f"{safe}.rank{rank}.{kind}"
+
+
+def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
+              env: dict[str, str] | None = None) -> dict[str, CaseResult]:
+    """Run ``cases`` in one ``mpiexec -n n`` launch; one result per case, never hanging."""
+    folder = Path(tempfile.mkdtemp(prefix="fxpar-mpi-"))
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "fxpar.testing", str(folder), *cases]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        timed_out = True
+    elapsed = time.monotonic() - start
+    results: dict[str, CaseResult] = {}
+    for case in cases:
+        errors = [(r, _marker(folder, case, r, "err")) for r in range(n)]
+        errors = [(r, p.read_text()) for r, p in errors if p.exists()]
+        passed = all(_marker(folder, case, r, "ok").exists() for r in range(n))
+        if passed:
+            results[case] = CaseResult(case, True, "")
+            continue
+        lines = [f"--- rank {r} ---\n{text}" for r, text in errors]
+        if not errors:
+            started = [r for r in range(n) if _marker(folder, case, r, "start").exists()]
+            why = (f"killed after the {timeout:.0f}s timeout" if timed_out
+                   else f"mpiexec exited with code {proc.returncode}")
+            lines.append(f"case did not finish ({why}, {elapsed:.0f}s in); "
+                         f"ranks that started it: {started}")
+        lines.append(f"--- mpiexec output (last 4000 chars) ---\n{output[-4000:]}")
+        results[case] = CaseResult(case, False, "\n".join(lines))
+    shutil.rmtree(folder, ignore_errors=True)
+    return results
+
+
+def load_case(case: str) -> Callable[[], object]:
+    """Import ``"path/to/file.py::name"`` and return the function."""
+    path, _, name = case.partition("::")
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def _worker(folder: Path, cases: Sequence[str]) -> None:
+    from fxpar.comm import world
+
+    comm = world()
+    rank = comm.rank
+    for case in cases:
+        _marker(folder, case, rank, "start").touch()
+        try:
+            load_case(case)()
+        except BaseException:  # noqa: BLE001 - report anything, then end every rank
+            _marker(folder, case, rank, "err").write_text(traceback.format_exc())
+            print(f"[rank {rank}] {case} failed:\n{traceback.format_exc()}", flush=True)
+            time.sleep(1.0)  # let peers failing at the same point write their tracebacks
+            comm.abort(1)
+        _marker(folder, case, rank, "ok").touch()
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), sys.argv[2:])

@@ -1,0 +1,80 @@
+"""Comm primitives on real ranks (run by tests/test_comm.py under mpiexec)."""
+
+import torch
+
+from fxpar.comm import world
+
+
+def case_p2p_ring() -> None:
+    c = world()
+    nxt, prv = (c.rank + 1) % c.size, (c.rank - 1) % c.size
+    send = torch.arange(6, dtype=torch.float64).reshape(2, 3) + c.rank
+    recv = torch.empty(2, 3, dtype=torch.float64)
+    r1 = c.irecv(recv, prv, tag=3)
+    s1 = c.isend(send, nxt, tag=3)
+    c.waitall([s1, r1])
+    assert torch.equal(recv, torch.arange(6, dtype=torch.float64).reshape(2, 3) + prv)
+    # sendrecv, bfloat16 bit patterns and a non-contiguous send buffer
+    s = (torch.arange(8, dtype=torch.bfloat16).reshape(2, 4) * (c.rank + 1)).t()
+    r = torch.empty(4, 2, dtype=torch.bfloat16)
+    c.sendrecv(s, nxt, r, prv)
+    assert torch.equal(r, (torch.arange(8, dtype=torch.bfloat16).reshape(2, 4) * (prv + 1)).t())
+
+
+def case_recv_lands_in_place() -> None:
+    c = world()
+    if c.size < 2:
+        return
+    t = torch.zeros(5, dtype=torch.float32)
+    view = t[1:4]
+    if c.rank == 0:
+        c.send(torch.tensor([1.0, 2.0, 3.0]), 1)
+    elif c.rank == 1:
+        c.recv(view, 0)
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 0.0]
+
+
+def case_collectives() -> None:
+    c = world()
+    t = torch.full((3,), float(c.rank + 1), dtype=torch.float64)
+    c.allreduce(t)
+    n = c.size
+    assert torch.equal(t, torch.full((3,), n * (n + 1) / 2, dtype=torch.float64))
+    m = torch.tensor([float(c.rank)])
+    c.allreduce(m, op="max")
+    assert m.item() == n - 1
+    g = c.allgather(torch.tensor([c.rank, 10 * c.rank]))
+    assert [x.tolist() for x in g] == [[r, 10 * r] for r in range(n)]
+    got = c.gather(torch.tensor([float(c.rank)]), root=0)
+    if c.rank == 0:
+        assert got is not None and [x.item() for x in got] == list(range(n))
+    else:
+        assert got is None
+    b = torch.tensor([42.0 if c.rank == 0 else 0.0])
+    assert c.bcast(b).item() == 42.0
+    req = c.iallreduce(t2 := torch.ones(4))
+    req.wait()
+    assert torch.equal(t2, torch.full((4,), float(n)))
+    assert c.allgather_object({"r": c.rank}) == [{"r": r} for r in range(n)]
+
+
+def case_subcommunicators() -> None:
+    c = world()
+    half = c.split(c.rank % 2)
+    t = torch.tensor([float(c.rank)])
+    half.allreduce(t)
+    assert t.item() == sum(r for r in range(c.size) if r % 2 == c.rank % 2)
+    evens = [r for r in range(c.size) if r % 2 == 0]
+    g = c.group(evens)
+    if c.rank in evens:
+        assert g is not None and g.size == len(evens) and g.rank == evens.index(c.rank)
+    else:
+        assert g is None
+
+
+def case_fails_on_rank_1() -> None:
+    """A deliberate failure: rank 1 raises while rank 0 waits for it in a receive."""
+    c = world()
+    if c.rank == 1:
+        raise RuntimeError("injected failure on rank 1")
+    c.recv(torch.empty(1), 1)

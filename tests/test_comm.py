@@ -1,0 +1,46 @@
+"""Comm over mpi4py and the mpiexec harness, on 3 real ranks."""
+
+from pathlib import Path
+
+import pytest
+
+from fxpar.testing import run_cases
+
+HERE = Path(__file__).parent / "cases" / "comm_cases.py"
+CASES = [f"{HERE}::{n}" for n in ("case_p2p_ring", "case_recv_lands_in_place",
+                                  "case_collectives", "case_subcommunicators")]
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cases(CASES, n=3, timeout=120)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.split("::")[1])
+def test_comm(results, case):
+    results[case].check()
+
+
+def test_failing_rank_ends_the_job_with_its_traceback():
+    """A rank that raises must end the job (its peer is blocked in a receive) and the report
+    must carry that rank's traceback; a later case on the same launch never runs."""
+    failing = f"{HERE}::case_fails_on_rank_1"
+    later = f"{HERE}::case_collectives"
+    res = run_cases([failing, later], n=2, timeout=60)
+    assert not res[failing].passed
+    assert "injected failure on rank 1" in res[failing].report
+    assert "--- rank 1 ---" in res[failing].report
+    assert not res[later].passed
+    with pytest.raises(AssertionError, match="injected failure"):
+        res[failing].check()
+
+
+def test_hung_job_is_killed_at_the_timeout():
+    """Both ranks wait for a message nobody sends: the harness kills the job at the timeout."""
+    res = run_cases([f"{Path(__file__).parent / 'cases' / 'hang_cases.py'}::case_hang"], n=2,
+                    timeout=8)
+    (only,) = res.values()
+    assert not only.passed
+    assert "timeout" in only.report and "ranks that started it: [0, 1]" in only.report
