@@ -236,7 +236,7 @@ class Cell(nn.Module):
         self.out_channels = channels * len(self.concat)
 
     def extra_repr(self) -> str:
-        """Show the genotype in ``print(model)``, since the ops alone do not say what feeds them."""
+        """Show the genotype in ``print(model)``: the ops alone do not say what feeds them."""
         pairs = ", ".join(f"{i}:{n}" for i, n in zip(self.indices, self.op_names, strict=True))
         return f"reduction={self.reduction}, ops=[{pairs}], concat={list(self.concat)}"
 
