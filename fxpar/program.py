@@ -1,0 +1,171 @@
+"""What the compiler emits: a :class:`Program` for the whole job, a :class:`RankProgram` each rank.
+
+A Program is plain data (the plan, the rank map, the stage graphs, the schedule); a RankProgram
+binds one rank's share of it to real parameters, an optimizer and a communicator::
+
+    program = fxpar.compile(model, plan, example, loss_fn=..., optimizer=...)
+    rp = program.local()          # this MPI rank's program
+    loss = rp.train_step(x, y)    # global batch in, global mean loss out, on every rank
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fxpar.comm import Comm
+from fxpar.plan import Plan, PlanError, RankMap
+from fxpar.runtime import LossFn, Runtime, Stage, StepState
+from fxpar.schedule import Schedule
+
+OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+
+# Environment variables an MPI launcher sets in every rank (MPICH/Hydra, Open MPI, Slurm).
+_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+
+
+@dataclass(frozen=True)
+class Program:
+    """The compiled job: every rank's stages and actions. Build rank programs from it."""
+
+    plan: Plan
+    rank_map: RankMap
+    stages: tuple[fx.GraphModule, ...]
+    schedule: Schedule
+    loss_fn: LossFn
+    optimizer: OptimizerFactory | None
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan needs (``mpiexec -n``)."""
+        return self.plan.world_size
+
+    def for_rank(self, rank: int, comm: Comm | None = None) -> RankProgram:
+        """Rank ``rank``'s program. Its modules share parameters with the compiled model."""
+        if not 0 <= rank < self.world_size:
+            raise PlanError(f"rank {rank} is outside this plan's {self.world_size} ranks")
+        roles = self.rank_map.roles_of(rank)
+        stages = {
+            (r.copy, r.stage): Stage(r.stage, self.stages[r.stage], first=r.stage == 0,
+                                     last=r.stage == len(self.stages) - 1)
+            for r in roles
+        }
+        return RankProgram(self, rank, stages, comm)
+
+    def local(self) -> RankProgram:
+        """This process's rank program: rank 0 when not launched by MPI and the plan needs one
+        rank, else the MPI rank (after checking ``mpiexec -n`` matches the plan)."""
+        if self.world_size == 1 and not any(v in os.environ for v in _LAUNCHER_VARS):
+            return self.for_rank(0)
+        from fxpar.comm import world
+
+        comm = world()
+        if comm.size != self.world_size:
+            raise PlanError(
+                f"this plan needs {self.world_size} ranks but the job has {comm.size}: "
+                f"run with `mpiexec -n {self.world_size}` (or change the plan)")
+        return self.for_rank(comm.rank, comm)
+
+
+class RankProgram:
+    """One rank's share of a Program, ready to train."""
+
+    def __init__(self, program: Program, rank: int, stages: dict[tuple[int, int], Stage],
+                 comm: Comm | None) -> None:
+        self.program = program
+        self.rank = rank
+        self.stages = stages
+        self.comm = comm
+        params = list(self.parameters())
+        self.optimizer = program.optimizer(iter(params)) if program.optimizer else None
+        self.runtime = Runtime(rank, stages, program.schedule, program.loss_fn, self.optimizer)
+
+    @property
+    def plan(self) -> Plan:
+        return self.program.plan
+
+    def _modules(self) -> list[nn.Module]:
+        seen: dict[int, nn.Module] = {}
+        for s in self.stages.values():
+            seen.setdefault(id(s.module), s.module)
+        return list(seen.values())
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (each once)."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the original model's names."""
+        seen: set[int] = set()
+        for m in self._modules():
+            for name, p in m.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def train(self, mode: bool = True) -> RankProgram:
+        """Put this rank's modules in training (or eval) mode, like ``nn.Module.train``."""
+        for m in self._modules():
+            m.train(mode)
+        return self
+
+    def eval(self) -> RankProgram:
+        return self.train(False)
+
+    def train_step(self, x: torch.Tensor, y: Any) -> float:
+        """One optimizer step on the global batch ``(x, y)``; returns the global mean loss.
+
+        Gradients are zeroed first and left in place afterwards (for inspection)."""
+        self.plan.check_batch(int(x.shape[0]))
+        n = self.plan.chunks()
+        for p in self.parameters():
+            p.grad = None
+        state = StepState(list(torch.tensor_split(x, n)), list(_split_target(y, n)),
+                          scale=1.0 / n)
+        self.runtime.run(state)
+        total = sum(state.losses, torch.zeros((), dtype=torch.float64))
+        return float(total)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> Any:
+        """Inference on ``x`` with the modules' current mode; the output on the last stage's
+        ranks, None elsewhere."""
+        out: Any = x
+        for (_copy, _stage), st in sorted(self.stages.items()):
+            out = st.module(out)
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the original model's names."""
+        out: dict[str, torch.Tensor] = {}
+        for m in self._modules():
+            out.update(m.state_dict())
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the whole model's state_dict on rank 0, None on the other ranks."""
+        local = self.state_dict()
+        if self.comm is None:
+            return local
+        parts = self.comm.gather_object(local, root=0)
+        if parts is None:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
+
+def _split_target(y: Any, n: int) -> list[Any]:
+    if isinstance(y, torch.Tensor):
+        return list(torch.tensor_split(y, n))
+    if n == 1:
+        return [y]
+    raise TypeError(f"targets of type {type(y).__name__} cannot be split into {n} chunks: "
+                    f"pass a tensor whose first dimension is the batch")

@@ -1,0 +1,169 @@
+"""Tracing and analysis: model -> GraphModule with shapes and costs on every node.
+
+Analysis runs torch.fx's ShapeProp on *fake* tensors (torch._subclasses.FakeTensorMode): the
+example input may be a real, a ``meta`` or a fake tensor, and no image-sized memory is ever
+allocated, so a 16384x16384 ResNet-152 is analysed in about the memory of its parameters.
+FLOPs come from torch's own FlopCounterMode, run per node on the same fake tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils.flop_counter import FlopCounterMode
+
+from fxpar import meta
+from fxpar.meta import NodeCost, TensorInfo
+
+
+class TraceError(RuntimeError):
+    """The model (or one of its modules) cannot be traced by torch.fx."""
+
+
+class _Tracer(fx.Tracer):
+    """fx.Tracer that treats user-named module types as leaves and, when tracing fails,
+    says which module failed (the innermost one) and how to make it a leaf."""
+
+    def __init__(self, leaf_modules: Sequence[type[nn.Module]]) -> None:
+        super().__init__()
+        self.leaf_types = tuple(leaf_modules)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, self.leaf_types) or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except TraceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised with the module named
+            name = self.path_of_module(m)
+            raise TraceError(_untraceable(f"module {name!r} ({type(m).__name__})", type(m), e)
+                             ) from e
+
+
+def _untraceable(what: str, cls: type, e: Exception) -> str:
+    return (f"torch.fx cannot trace {what}: {type(e).__name__}: {e}\n"
+            f"Usually this is Python control flow or a shape computation on a tensor value. "
+            f"Rewrite that code with tensor ops, or mark the module as a leaf so fxpar runs it "
+            f"as one opaque op: fxpar.compile(..., leaf_modules=[{cls.__name__}]) "
+            f"(a leaf cannot be split across stages or tiles).")
+
+
+def symbolic_trace(model: nn.Module,
+                   leaf_modules: Sequence[type[nn.Module]] = ()) -> fx.GraphModule:
+    """Trace ``model`` into a GraphModule whose submodules and parameters are the model's own
+    (shared, not copied) and whose qualified names match the model's."""
+    tracer = _Tracer(leaf_modules)
+    try:
+        graph = tracer.trace(model)
+    except TraceError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise TraceError(_untraceable(f"{type(model).__name__}.forward", type(model), e)) from e
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def fake_like(example: torch.Tensor | Sequence[int], mode: FakeTensorMode,
+              dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+    """A fake tensor shaped like ``example`` (a real/meta/fake tensor, or a shape), on
+    ``device`` (the parameters' device: meta for a model built without memory)."""
+    if isinstance(example, FakeTensor):
+        return example
+    if isinstance(example, torch.Tensor):
+        if example.device.type == "meta" or torch.device(device).type == "meta":
+            with mode:
+                return torch.empty(example.shape, dtype=example.dtype, device=device)
+        return mode.from_tensor(example)
+    with mode:
+        return torch.empty(tuple(example), dtype=dtype, device=device)
+
+
+class _Analyzer(ShapeProp):
+    """ShapeProp that also counts each node's forward FLOPs and bytes."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        with FlopCounterMode(display=False) as counter:
+            result = super().run_node(n)
+        tensors = [t for t in _flatten(result) if isinstance(t, torch.Tensor)]
+        meta.put(n, TensorInfo(tuple(tuple(int(s) for s in t.shape) for t in tensors),
+                               tuple(t.dtype for t in tensors)))
+        meta.put(n, NodeCost(flops=int(counter.get_total_flops()),
+                             # the output node only repeats its inputs' tensors
+                             out_bytes=0 if n.op == "output" else
+                             sum(t.numel() * t.element_size() for t in tensors),
+                             param_bytes=_owned_bytes(self.real_module, n)))
+        return result
+
+
+def _flatten(x: Any) -> Iterable[Any]:
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _flatten(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _flatten(y)
+    else:
+        yield x
+
+
+def _owned_bytes(root: nn.Module, n: fx.Node) -> int:
+    """Bytes of the parameters and buffers a call_module / get_attr node uses."""
+    if n.op == "call_module":
+        mod = root.get_submodule(str(n.target))
+        tensors = [*mod.parameters(), *mod.buffers()]
+    elif n.op == "get_attr":
+        obj = root
+        for part in str(n.target).split("."):
+            obj = getattr(obj, part)
+        tensors = [obj] if isinstance(obj, torch.Tensor) else []
+    else:
+        return 0
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def analyze(gm: fx.GraphModule, *example_inputs: torch.Tensor | Sequence[int]) -> fx.GraphModule:
+    """Annotate every node of ``gm`` with :class:`TensorInfo` and :class:`NodeCost`, running on
+    fake tensors (no real activation memory). Returns ``gm`` (annotated in place)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    first = next(iter(gm.parameters()), None)
+    dtype = first.dtype if first is not None else torch.float32
+    device = first.device if first is not None else torch.device("cpu")
+    fakes = [fake_like(x, mode, dtype, device) for x in example_inputs]
+    log = io.StringIO()  # ShapeProp prints a traceback before raising; keep it for the error
+    try:
+        with contextlib.redirect_stderr(log):
+            _Analyzer(gm, fake_mode=mode).propagate(*fakes)
+    except RuntimeError as e:
+        cause = e.__cause__ or e
+        where = str(e).split(" with meta=")[0].removeprefix("ShapeProp error for: ")
+        raise TraceError(f"shape propagation failed at {where}: "
+                         f"{type(cause).__name__}: {cause}") from e
+    return gm
+
+
+def trace(model: nn.Module, *example_inputs: torch.Tensor | Sequence[int],
+          leaf_modules: Sequence[type[nn.Module]] = ()) -> fx.GraphModule:
+    """Trace ``model`` and analyse it on fake copies of ``example_inputs``.
+
+    ``example_inputs`` may be real tensors, ``meta`` tensors, or plain shapes such as
+    ``(8, 3, 16384, 16384)``: only their shapes and dtypes are used.
+    """
+    return analyze(symbolic_trace(model, leaf_modules), *example_inputs)
+
+
+def totals(gm: fx.GraphModule) -> NodeCost:
+    """Sum of every node's cost (parameter bytes counted once per module use)."""
+    costs = [c for n in gm.graph.nodes if (c := meta.find(n, NodeCost)) is not None]
+    return NodeCost(flops=sum(c.flops for c in costs),
+                    out_bytes=sum(c.out_bytes for c in costs),
+                    param_bytes=sum(c.param_bytes for c in costs))
