@@ -39,8 +39,8 @@ def compile(  # noqa: A001 - the public name the design fixes
         raise TypeError("fxpar.compile needs example_input: a batch or its shape, e.g. "
                         "(8, 3, 1024, 1024); a meta tensor avoids allocating it")
     gm = trace(model, example_input, leaf_modules=leaf_modules)
-    if plan.world_size != 1 or plan.microbatches != 1:
-        raise PlanError(f"this fxpar build runs the single-rank plan only; {plan} needs "
+    if plan.world_size != 1 or plan.gems:
+        raise PlanError(f"this fxpar build runs single-rank plans only; {plan} needs "
                         f"layer/pipeline/spatial/GEMS/data parallelism")
     return Program(plan=plan, rank_map=RankMap(plan), stages=(gm,),
                    schedule=single_rank(plan.microbatches), loss_fn=loss_fn,

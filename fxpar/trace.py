@@ -15,7 +15,11 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -92,8 +96,22 @@ class _Analyzer(ShapeProp):
     """ShapeProp that also counts each node's forward FLOPs and bytes."""
 
     def run_node(self, n: fx.Node) -> Any:
-        with FlopCounterMode(display=False) as counter:
-            result = super().run_node(n)
+        try:
+            with FlopCounterMode(display=False) as counter:
+                result = super().run_node(n)
+        except RuntimeError as e:
+            cause = e.__cause__ or e
+            if not isinstance(cause, DataDependentOutputException):
+                module = f" (module {n.target!r})" if n.op == "call_module" else ""
+                raise TraceError(
+                    f"shape propagation failed at node {n.name!r}{module}: "
+                    f"{type(cause).__name__}: {str(cause).splitlines()[0]}\n"
+                    f"Check the example input's shape (is the image large enough for every "
+                    f"stride and pooling window?) and the model's layer sizes.") from e
+            raise TraceError(
+                f"node {n.name!r} ({n.op} {n.target!r}) has Python control flow that depends on "
+                f"tensor values, which fxpar cannot analyse without running the model on real "
+                f"data. Express the choice with tensor ops (torch.where, masks) instead.") from e
         tensors = [t for t in _flatten(result) if isinstance(t, torch.Tensor)]
         meta.put(n, TensorInfo(tuple(tuple(int(s) for s in t.shape) for t in tensors),
                                tuple(t.dtype for t in tensors)))
@@ -139,15 +157,9 @@ def analyze(gm: fx.GraphModule, *example_inputs: torch.Tensor | Sequence[int]) -
     dtype = first.dtype if first is not None else torch.float32
     device = first.device if first is not None else torch.device("cpu")
     fakes = [fake_like(x, mode, dtype, device) for x in example_inputs]
-    log = io.StringIO()  # ShapeProp prints a traceback before raising; keep it for the error
-    try:
-        with contextlib.redirect_stderr(log):
-            _Analyzer(gm, fake_mode=mode).propagate(*fakes)
-    except RuntimeError as e:
-        cause = e.__cause__ or e
-        where = str(e).split(" with meta=")[0].removeprefix("ShapeProp error for: ")
-        raise TraceError(f"shape propagation failed at {where}: "
-                         f"{type(cause).__name__}: {cause}") from e
+    # ShapeProp prints a traceback before raising; the TraceError above says it better.
+    with contextlib.redirect_stderr(io.StringIO()):
+        _Analyzer(gm, fake_mode=mode).propagate(*fakes)
     return gm
 
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -36,8 +37,18 @@ def parse_kwargs(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def build_model(spec: str, **kwargs: Any) -> nn.Module:
-    """Build the model ``spec`` names, passing ``kwargs`` to its factory."""
+def build_model(spec: str, *, meta: bool = False, **kwargs: Any) -> nn.Module:
+    """Build the model ``spec`` names, passing ``kwargs`` to its factory.
+
+    meta: build on the ``meta`` device (no parameter memory, for analysis); a factory that
+    computes with tensors while building (torchvision's RegNet does) is built on CPU instead.
+    """
+    if meta:
+        try:
+            with torch.device("meta"):
+                return build_model(spec, **kwargs)
+        except NotImplementedError:
+            pass
     source, sep, name = spec.rpartition(":")
     if not sep or not name:
         raise ModelSpecError(f"model spec {spec!r}: expected {FORMS}")

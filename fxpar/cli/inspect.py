@@ -43,8 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kwargs = parse_kwargs(args.model_arg)
         if args.num_classes is not None:
             kwargs["num_classes"] = args.num_classes
-        with torch.device("meta"):  # parameters need no memory to be analysed
-            model = build_model(args.model, **kwargs)
+        model = build_model(args.model, meta=True, **kwargs)  # no parameter memory
         dtype = getattr(torch, args.dtype)
         model = model.to(dtype)
         shape = (args.batch_size, args.channels, args.image_size, args.image_size)

@@ -1,0 +1,54 @@
+"""Reference training on one process, and exact comparisons against a compiled program."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def reference_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                   y: torch.Tensor, chunks: int = 1,
+                   loss_fn: Callable = F.cross_entropy) -> float:
+    """One optimizer step of plain PyTorch over ``chunks`` equal parts of the batch with
+    gradient accumulation (the contract's reference); returns the global mean loss."""
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for xc, yc in zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks), strict=True):
+        loss = loss_fn(model(xc), yc) / chunks
+        loss.backward()
+        total += loss.item()
+    opt.step()
+    return total
+
+
+def assert_same(name: str, got: torch.Tensor | None, want: torch.Tensor | None,
+                atol: float = 1e-12, rtol: float = 1e-10) -> None:
+    assert (got is None) == (want is None), f"{name}: one side is None"
+    if got is None or want is None:
+        return
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if not torch.allclose(got, want, atol=atol, rtol=rtol):
+        diff = (got - want).abs().max().item()
+        raise AssertionError(f"{name}: max abs difference {diff:.3e} (atol {atol}, rtol {rtol})")
+
+
+def assert_grads_and_params(named: dict[str, nn.Parameter], ref: nn.Module,
+                            atol: float = 1e-12) -> None:
+    """Every parameter and its gradient in ``named`` equals the reference's (same names)."""
+    ref_params = dict(ref.named_parameters())
+    assert named, "no parameters to compare"
+    for name, p in named.items():
+        assert name in ref_params, f"{name} is not a parameter of the original model"
+        assert_same(f"grad of {name}", p.grad, ref_params[name].grad, atol)
+        assert_same(name, p.detach(), ref_params[name].detach(), atol)
+
+
+def assert_buffers(state: dict[str, torch.Tensor], ref: nn.Module, atol: float = 1e-12) -> None:
+    """BatchNorm running statistics (every buffer in ``state``) equal the reference's."""
+    ref_buffers = dict(ref.named_buffers())
+    for name, b in state.items():
+        if name in ref_buffers:
+            assert_same(f"buffer {name}", b, ref_buffers[name], atol)

@@ -1,0 +1,86 @@
+"""fxpar-inspect and fxpar-run as a user runs them."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fxpar.testing import mpiexec
+
+BIN = Path(sys.executable).parent
+
+
+def run(*args, timeout=120):
+    return subprocess.run([*args], capture_output=True, text=True, timeout=timeout,
+                          env={"OMP_NUM_THREADS": "1", "PATH": f"{BIN}:/usr/bin:/bin"})
+
+
+def test_inspect_torchvision_model_prints_table_and_totals():
+    r = run(str(BIN / "fxpar-inspect"), "torchvision:resnet18", "--image-size", "224")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(
+        "model: torchvision:resnet18  input: 1x3x224x224 float32  nodes: 71")
+    assert lines[1].split() == ["#", "node", "op", "output", "FLOPs", "out", "bytes", "params"]
+    conv1 = next(line for line in lines if " conv1 " in line).split()
+    assert conv1[2:6] == ["Conv2d", "1x64x112x112", "236.03", "M"]
+    assert lines[-1].startswith("total: 3.63 GFLOP forward")
+    assert "11,689,512 values" in lines[-1]
+
+
+def test_inspect_zoo_model_with_keyword_arguments():
+    r = run(sys.executable, "-m", "fxpar.cli.inspect", "models:amoebanet", "-k", "num_layers=3",
+            "-k", "num_filters=16", "--image-size", "64", "--batch-size", "2",
+            "--num-classes", "4")
+    assert r.returncode == 0, r.stderr
+    assert "input: 2x3x64x64" in r.stdout
+    assert "MaxPool2d" in r.stdout
+    assert r.stdout.splitlines()[-2].split()[3] == "2x4"  # output node: batch x classes
+
+
+def test_inspect_model_from_a_file(tmp_path):
+    f = tmp_path / "net.py"
+    f.write_text("import torch.nn as nn\n"
+                 "def make(width=4):\n"
+                 "    return nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU())\n")
+    r = run(sys.executable, "-m", "fxpar.cli.inspect", f"{f}:make", "-k", "width=6",
+            "--image-size", "2048", "--channels", "1")
+    assert r.returncode == 0, r.stderr
+    assert "1x6x2048x2048" in r.stdout and "96.00 MiB" in r.stdout
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("resnet18", "expected torchvision:NAME"),
+    ("torchvision:resnet9000", "torchvision has no classification model 'resnet9000'"),
+    ("models:nope", "unknown model 'nope'; known models: amoebanet"),
+    ("missing.py:make", "is not an existing .py file"),
+])
+def test_inspect_bad_model_spec_is_a_clear_error(spec, message):
+    r = run(sys.executable, "-m", "fxpar.cli.inspect", spec, "--image-size", "32")
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_inspect_too_small_image_names_the_node():
+    r = run(sys.executable, "-m", "fxpar.cli.inspect", "torchvision:vgg11", "--image-size", "16")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "shape propagation failed at node" in r.stderr and "image large enough" in r.stderr
+
+
+@pytest.mark.mpi
+def test_run_trains_under_mpiexec_with_progress():
+    r = run(mpiexec(), "-n", "1", str(BIN / "fxpar-run"), "models:resnet_v2", "-k", "depth=8",
+            "--image-size", "32", "--batch-size", "4", "--parts", "2", "--steps", "3",
+            "--lr", "0.05")
+    assert r.returncode == 0, r.stderr
+    steps = [line for line in r.stdout.splitlines() if line.startswith("step")]
+    assert len(steps) == 3 and "loss" in steps[0] and "img/s" in steps[0]
+    assert r.stdout.splitlines()[-1].startswith("done: median")
+
+
+def test_run_rejects_a_bad_plan_before_starting():
+    r = run(sys.executable, "-m", "fxpar.cli.run", "models:resnet_v2", "--batch-size", "6",
+            "--parts", "4")
+    assert r.returncode == 2
+    assert "batch size 6 does not split into 4 equal chunks" in r.stderr

@@ -1,0 +1,137 @@
+"""Tracing and analysis on fake tensors: the torchvision zoo, costs, memory, clear errors."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from fxpar import meta
+from fxpar.meta import NodeCost, TensorInfo
+from fxpar.trace import TraceError, trace
+from fxpar.zoo import build_model
+
+ZOO = ["resnet18", "resnet50", "resnet152", "resnext50_32x4d", "wide_resnet50_2", "vgg11",
+       "vgg16", "densenet121", "mobilenet_v2", "mobilenet_v3_large", "efficientnet_b0",
+       "regnet_y_400mf", "convnext_tiny", "squeezenet1_0", "shufflenet_v2_x1_0", "mnasnet1_0",
+       "googlenet", "inception_v3"]
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_torchvision_zoo_traces_with_shapes_and_costs(name):
+    model = build_model(f"torchvision:{name}", num_classes=7, meta=True)
+    size = 299 if name == "inception_v3" else 96  # its aux head needs the full 299
+    gm = trace(model, (2, 3, size, size))
+    nodes = list(gm.graph.nodes)
+    for n in nodes:
+        info = meta.get(n, TensorInfo)
+        cost = meta.get(n, NodeCost)
+        assert cost.flops >= 0 and cost.out_bytes >= 0
+        if n.meta["type"] is torch.Tensor:
+            assert len(info.shapes) == 1, n.name
+    out = [n for n in nodes if n.op == "output"][0]
+    assert meta.get(out, TensorInfo).shapes[0] == (2, 7)
+    convs = [n for n in nodes if n.op == "call_module"
+             and isinstance(gm.get_submodule(n.target), nn.Conv2d)]
+    assert convs and all(meta.get(n, NodeCost).flops > 0 for n in convs)
+    assert sum(meta.get(n, NodeCost).param_bytes for n in nodes) >= \
+        sum(p.numel() * 4 for p in gm.parameters())
+
+
+def test_costs_match_the_formulas():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(),
+                          nn.Conv2d(8, 16, (1, 7), padding=(0, 3)))
+    gm = trace(model, (2, 3, 33, 31))
+    conv0, relu, conv1 = (n for n in gm.graph.nodes if n.op == "call_module")
+    assert meta.get(conv0, TensorInfo).shape == (2, 8, 17, 16)
+    assert meta.get(conv0, NodeCost).flops == 2 * (8 * 3 * 9) * (2 * 17 * 16)
+    assert meta.get(conv0, NodeCost).param_bytes == (8 * 3 * 9 + 8) * 4
+    assert meta.get(conv0, NodeCost).out_bytes == 2 * 8 * 17 * 16 * 4
+    assert meta.get(relu, NodeCost).flops == 0
+    assert meta.get(conv1, NodeCost).flops == 2 * (16 * 8 * 7) * (2 * 17 * 16)
+    assert meta.get(conv1, TensorInfo).dtype == torch.float32
+
+
+def test_float64_and_real_inputs():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten()).double()
+    gm = trace(model, torch.randn(1, 1, 5, 5, dtype=torch.float64))
+    out = [n for n in gm.graph.nodes if n.op == "output"][0]
+    assert meta.get(out, TensorInfo).shape == (1, 18)
+    assert meta.get(out, TensorInfo).dtype == torch.float64
+
+
+class _Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent Python control flow: not traceable
+            return x
+        return -x
+
+
+class _Strips(nn.Module):
+    def forward(self, x):
+        # a Python loop over a tensor's size: not symbolically traceable, fine on fake tensors
+        return torch.cat([x[..., i:i + 2].flip(-1) for i in range(0, x.shape[-1], 2)], -1)
+
+
+class _Net(nn.Module):
+    def __init__(self, gate: type[nn.Module] = _Gate):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.block = nn.Sequential(nn.ReLU(), gate())
+
+    def forward(self, x):
+        return self.block(self.conv(x))
+
+
+def test_untraceable_module_is_named_with_the_leaf_fix():
+    with pytest.raises(TraceError) as e:
+        trace(_Net(), (1, 3, 8, 8))
+    msg = str(e.value)
+    assert "module 'block.1' (_Gate)" in msg
+    assert "leaf_modules=[_Gate]" in msg
+
+
+def test_leaf_modules_are_kept_opaque():
+    with pytest.raises(TraceError, match="module 'block.1' \\(_Strips\\)"):
+        trace(_Net(_Strips), (1, 3, 8, 8))
+    gm = trace(_Net(_Strips), (1, 3, 8, 8), leaf_modules=[_Strips])
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert targets == ["conv", "block.0", "block.1"]
+    assert meta.get(list(gm.graph.nodes)[-2], TensorInfo).shape == (1, 3, 8, 8)
+    x = torch.randn(1, 3, 8, 8)
+    model = _Net(_Strips)
+    assert torch.equal(trace(model, x, leaf_modules=[_Strips])(x), model(x))
+
+
+def test_leaf_whose_control_flow_reads_tensor_values_gets_a_clear_error():
+    with pytest.raises(TraceError, match="'block.1'.*depends on tensor values.*torch.where"):
+        trace(_Net(), (1, 3, 8, 8), leaf_modules=[_Gate])
+
+
+def test_shape_errors_name_the_node():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(5, 4, 3))
+    with pytest.raises(TraceError, match="shape propagation failed at node '_1' "
+                       r"\(module '1'\): RuntimeError: .*expected input.* to have 5 channels"):
+        trace(model, (1, 3, 8, 8))
+
+
+@pytest.mark.slow
+def test_resnet152_at_16384_is_analysed_without_image_memory():
+    """Peak RSS of the whole analysis process stays under 2 GB (the image alone would be
+    3 GB in float32; the first activation 16 GB)."""
+    code = (
+        "import resource, time, torch, torchvision\n"
+        "from fxpar.trace import trace, totals\n"
+        "m = torchvision.models.resnet152()\n"
+        "t = time.perf_counter()\n"
+        "gm = trace(m, (1, 3, 16384, 16384))\n"
+        "dt = time.perf_counter() - t\n"
+        "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        "print(f'{dt:.2f} {rss} {totals(gm).flops}')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    seconds, rss, flops = float(out[0]), int(out[1]), int(out[2])
+    print(f"ResNet-152 16384^2: analysis {seconds:.2f} s, peak RSS {rss / 2**20:.0f} MiB")
+    assert rss < 2 * 10**9
+    assert flops > 100e12  # ~123 TFLOP: the analysis really saw the full-size image
