@@ -11,8 +11,8 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade --quiet pip
-	$(PY) -m pip install --quiet -e ".[test,viz]"
+	$(PY) -m pip install -qq --upgrade pip
+	$(PY) -m pip install -qq -e ".[test,viz]"
 	$(PY) -c "import torch, torchvision, mpi4py.MPI; print('torch', torch.__version__, \
 	'torchvision', torchvision.__version__, 'MPI', mpi4py.MPI.Get_library_version().split(chr(10))[0])"
 	touch $@

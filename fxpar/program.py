@@ -10,6 +10,7 @@ binds one rank's share of it to real parameters, an optimizer and a communicator
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ from torch import fx, nn
 
 from fxpar.comm import Comm
 from fxpar.plan import Plan, PlanError, RankMap
-from fxpar.runtime import LossFn, Runtime, Stage, StepState
-from fxpar.schedule import Schedule
+from fxpar.runtime import LossFn, Runtime, StepState
+from fxpar.schedule import Action, Schedule
+from fxpar.stages import StageGraph
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 
@@ -35,36 +37,43 @@ class Program:
 
     plan: Plan
     rank_map: RankMap
-    stages: tuple[fx.GraphModule, ...]
+    graph: StageGraph
     schedule: Schedule
     loss_fn: LossFn
     optimizer: OptimizerFactory | None
+    batch_size: int
+    """The global batch size the program was compiled for."""
+    names: tuple[str, ...] = ()
+    """The original model's state_dict keys, in its order (rank programs list theirs so)."""
 
     @property
     def world_size(self) -> int:
         """Ranks the plan needs (``mpiexec -n``)."""
         return self.plan.world_size
 
+    @functools.cached_property
+    def name_order(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self.names)}
+
     def for_rank(self, rank: int, comm: Comm | None = None) -> RankProgram:
         """Rank ``rank``'s program. Its modules share parameters with the compiled model."""
         if not 0 <= rank < self.world_size:
             raise PlanError(f"rank {rank} is outside this plan's {self.world_size} ranks")
-        roles = self.rank_map.roles_of(rank)
-        stages = {
-            (r.copy, r.stage): Stage(r.stage, self.stages[r.stage], first=r.stage == 0,
-                                     last=r.stage == len(self.stages) - 1)
-            for r in roles
-        }
+        stages = {(r.copy, r.stage): self.graph.modules[r.stage]
+                  for r in self.rank_map.roles_of(rank)}
         return RankProgram(self, rank, stages, comm)
 
-    def local(self) -> RankProgram:
+    def local(self, comm: Comm | None = None) -> RankProgram:
         """This process's rank program: rank 0 when not launched by MPI and the plan needs one
-        rank, else the MPI rank (after checking ``mpiexec -n`` matches the plan)."""
-        if self.world_size == 1 and not any(v in os.environ for v in _LAUNCHER_VARS):
+        rank, else the MPI rank (after checking ``mpiexec -n`` matches the plan).
+
+        comm: run on this communicator instead of every rank of the job."""
+        if comm is None and self.world_size == 1 and \
+                not any(v in os.environ for v in _LAUNCHER_VARS):
             return self.for_rank(0)
         from fxpar.comm import world
 
-        comm = world()
+        comm = comm if comm is not None else world()
         if comm.size != self.world_size:
             raise PlanError(
                 f"this plan needs {self.world_size} ranks but the job has {comm.size}: "
@@ -75,15 +84,18 @@ class Program:
 class RankProgram:
     """One rank's share of a Program, ready to train."""
 
-    def __init__(self, program: Program, rank: int, stages: dict[tuple[int, int], Stage],
-                 comm: Comm | None) -> None:
+    def __init__(self, program: Program, rank: int,
+                 stages: dict[tuple[int, int], fx.GraphModule], comm: Comm | None) -> None:
         self.program = program
         self.rank = rank
         self.stages = stages
         self.comm = comm
         params = list(self.parameters())
         self.optimizer = program.optimizer(iter(params)) if program.optimizer else None
-        self.runtime = Runtime(rank, stages, program.schedule, program.loss_fn, self.optimizer)
+        rank_map, dp = program.rank_map, program.rank_map.dp_index(rank)
+        self.runtime = Runtime(
+            rank, program.graph, stages, lambda copy, stage: rank_map.rank_of(dp, copy, stage),
+            program.schedule, program.loss_fn, self.optimizer, comm, program.plan.microbatches)
 
     @property
     def plan(self) -> Plan:
@@ -91,8 +103,8 @@ class RankProgram:
 
     def _modules(self) -> list[nn.Module]:
         seen: dict[int, nn.Module] = {}
-        for s in self.stages.values():
-            seen.setdefault(id(s.module), s.module)
+        for m in self.stages.values():
+            seen.setdefault(id(m), m)
         return list(seen.values())
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -102,12 +114,14 @@ class RankProgram:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the original model's names."""
-        seen: set[int] = set()
+        seen: dict[int, tuple[str, nn.Parameter]] = {}
         for m in self._modules():
             for name, p in m.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield name, p
+                seen.setdefault(id(p), (name, p))
+        yield from sorted(seen.values(), key=lambda item: self._order(item[0]))
+
+    def _order(self, name: str) -> int:
+        return self.program.name_order.get(name, len(self.program.names))
 
     def train(self, mode: bool = True) -> RankProgram:
         """Put this rank's modules in training (or eval) mode, like ``nn.Module.train``."""
@@ -122,31 +136,51 @@ class RankProgram:
         """One optimizer step on the global batch ``(x, y)``; returns the global mean loss.
 
         Gradients are zeroed first and left in place afterwards (for inspection)."""
-        self.plan.check_batch(int(x.shape[0]))
-        n = self.plan.chunks()
+        n = self._check_batch(x)
         for p in self.parameters():
             p.grad = None
         state = StepState(list(torch.tensor_split(x, n)), list(_split_target(y, n)),
                           scale=1.0 / n)
         self.runtime.run(state)
         total = sum(state.losses, torch.zeros((), dtype=torch.float64))
+        if self.comm is not None and self.comm.size > 1:
+            self.comm.allreduce(total)  # only the last stage's ranks hold losses
         return float(total)
 
-    @torch.no_grad()
+    def _check_batch(self, x: torch.Tensor) -> int:
+        batch = int(x.shape[0])
+        self.plan.check_batch(batch)
+        if self.program.graph.transfers and batch != self.program.batch_size:
+            raise PlanError(f"this program was compiled for a global batch of "
+                            f"{self.program.batch_size}, got {batch}: compile with an example "
+                            f"of the batch size you train with")
+        return self.plan.chunks()
+
     def forward(self, x: torch.Tensor) -> Any:
-        """Inference on ``x`` with the modules' current mode; the output on the last stage's
-        ranks, None elsewhere."""
-        out: Any = x
-        for (_copy, _stage), st in sorted(self.stages.items()):
-            out = st.module(out)
-        return out
+        """Inference on ``x`` with the modules' current mode; the output (concatenated over
+        micro-batches) on the last stage's ranks, None elsewhere."""
+        n = self._check_batch(x)
+        state = StepState(list(torch.tensor_split(x, n)), [None] * n, scale=1.0, train=False)
+        actions = [a for a in self.program.schedule[self.rank]
+                   if a.kind in ("F", "SEND_F", "RECV_F")]
+        with torch.no_grad():
+            self.runtime.run(state, actions)
+        if not state.results:
+            return None
+        outs = [state.results[i] for i in sorted(state.results)]
+        return torch.cat(outs) if isinstance(outs[0], torch.Tensor) else outs
+
+    @property
+    def actions(self) -> list[Action]:
+        """This rank's action list for one training step."""
+        return self.program.schedule[self.rank]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers under the original model's names."""
         out: dict[str, torch.Tensor] = {}
         for m in self._modules():
             out.update(m.state_dict())
-        return out
+        return {k: out[k] for k in sorted(out, key=self._order)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Collective: the whole model's state_dict on rank 0, None on the other ranks."""
@@ -159,7 +193,7 @@ class RankProgram:
         merged: dict[str, torch.Tensor] = {}
         for part in parts:
             merged.update(part)
-        return merged
+        return {k: merged[k] for k in sorted(merged, key=self._order)}
 
 
 def _split_target(y: Any, n: int) -> list[Any]:

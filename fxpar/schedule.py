@@ -55,12 +55,83 @@ class Action(NamedTuple):
 Schedule = dict[int, list[Action]]
 
 
+# Generators give, per stage, the compute order (F and B only); `lower` adds communication and
+# the optimizer step, and places the lists on ranks.
+#
+# m: micro-batches, S: stages, s: a stage. GPipe with S=3, m=2 (stage x time; B costs 2 ticks):
+#
+#   s0: F0 F1 .  .  .  .  .  .  B0 B0 B1 B1
+#   s1: .  F0 F1 .  .  .  B0 B0 B1 B1
+#   s2: .  .  F0 F1 B0 B0 B1 B1
+#
+# 1F1B: stage s runs min(S-1-s, m) warm-up forwards, then alternates F and B, then drains Bs.
+
+StageOrder = dict[int, list[Action]]
+
+
+def gpipe(stages: int, microbatches: int, copy: int = 0) -> StageOrder:
+    """All forwards, then all backwards (in micro-batch order: gradients accumulate in the same
+    order as the single-device reference)."""
+    return {s: [Action("F", s, i, copy) for i in range(microbatches)]
+            + [Action("B", s, i, copy) for i in range(microbatches)] for s in range(stages)}
+
+
+def one_f_one_b(stages: int, microbatches: int, copy: int = 0) -> StageOrder:
+    """1F1B (PipeDream-flush): at most S-s micro-batches in flight on stage s."""
+    out: StageOrder = {}
+    for s in range(stages):
+        warm = min(stages - 1 - s, microbatches)
+        acts = [Action("F", s, i, copy) for i in range(warm)]
+        for i in range(microbatches - warm):
+            acts += [Action("F", s, warm + i, copy), Action("B", s, i, copy)]
+        acts += [Action("B", s, i, copy) for i in range(microbatches - warm, microbatches)]
+        out[s] = acts
+    return out
+
+
+GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+Links = dict[int, set[int]]
+"""Forward data links between stages: ``links[a]`` = stages that receive from stage a."""
+
+
+def chain(stages: int) -> Links:
+    """Links of a plain chain of stages (each sends to the next)."""
+    return {s: ({s + 1} if s + 1 < stages else set()) for s in range(stages)}
+
+
+def add_comm(order: list[Action], links: Links, grads: bool = True) -> list[Action]:
+    """Insert RECV_F before / SEND_F after each F, and RECV_B before / SEND_B after each B,
+    where the stage has peers in that direction."""
+    receivers_of = {s: {a for a, dsts in links.items() if s in dsts} for s in links}
+    out: list[Action] = []
+    for a in order:
+        pre, post = [], []
+        if a.kind == "F":
+            if receivers_of.get(a.stage):
+                pre.append(a._replace(kind="RECV_F"))
+            if links.get(a.stage):
+                post.append(a._replace(kind="SEND_F"))
+        elif a.kind == "B" and grads:
+            if links.get(a.stage):
+                pre.append(a._replace(kind="RECV_B"))
+            if receivers_of.get(a.stage):
+                post.append(a._replace(kind="SEND_B"))
+        out += [*pre, a, *post]
+    return out
+
+
+def pipeline(stages: int, microbatches: int, name: str = "gpipe",
+             links: Links | None = None) -> Schedule:
+    """One rank per stage (rank = stage): compute order, communication, and a final STEP."""
+    order = GENERATORS[name](stages, microbatches)
+    links = links if links is not None else chain(stages)
+    return {s: [*add_comm(order[s], links), Action("STEP")] for s in range(stages)}
+
+
 def single_rank(microbatches: int = 1) -> Schedule:
     """The trivial plan: one rank, one stage, forward then backward per micro-batch, one step."""
-    actions: list[Action] = []
-    for i in range(microbatches):
-        actions += [Action("F", 0, i), Action("B", 0, i)]
-    return {0: [*actions, Action("STEP")]}
+    return pipeline(1, microbatches)
 
 
 def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None) -> str:

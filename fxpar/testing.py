@@ -56,11 +56,17 @@ def _marker(folder: Path, case: str, rank: int, kind: str) -> Path:
 
 
 def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
-              env: dict[str, str] | None = None) -> dict[str, CaseResult]:
-    """Run ``cases`` in one ``mpiexec -n n`` launch; one result per case, never hanging."""
+              env: dict[str, str] | None = None,
+              pythonpath: Sequence[str | Path] = ()) -> dict[str, CaseResult]:
+    """Run ``cases`` in one ``mpiexec -n n`` launch; one result per case, never hanging.
+
+    pythonpath: folders the case files import helpers from (prepended to PYTHONPATH)."""
     folder = Path(tempfile.mkdtemp(prefix="fxpar-mpi-"))
     cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "fxpar.testing", str(folder), *cases]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    if pythonpath:
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            [*map(str, pythonpath), *filter(None, [full_env.get("PYTHONPATH")])])
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, start_new_session=True)

@@ -1,0 +1,111 @@
+"""Run every rank's action list without MPI: find deadlocks, count time, check the rules.
+
+Sends never block (the runtime's are nonblocking); a receive completes once its matching send
+has run, no earlier than the sender's clock. F costs ``f_cost`` ticks, B ``b_cost``, the rest 0.
+The result says how long the step takes and how busy each rank was, so the bubble of a schedule
+can be compared with the formula (p-1)/(m+p-1).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from fxpar.schedule import Action, Links, Schedule
+
+_MATCH = {"RECV_F": "SEND_F", "RECV_B": "SEND_B"}
+
+
+class ScheduleError(RuntimeError):
+    """A schedule that breaks a rule or deadlocks; the message names the actions."""
+
+
+@dataclass(frozen=True)
+class SimResult:
+    makespan: float
+    busy: dict[int, float]
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction over all ranks: 1 - busy / (ranks x makespan)."""
+        return 1.0 - sum(self.busy.values()) / (len(self.busy) * self.makespan)
+
+
+def _senders(links: Links) -> dict[int, set[int]]:
+    return {s: {a for a, dsts in links.items() if s in dsts} for s in links}
+
+
+def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
+             b_cost: float = 2.0) -> SimResult:
+    """Execute ``schedule``; raise ScheduleError on deadlock."""
+    senders = _senders(links)
+    sent: dict[Action, float] = {}  # (kind, stage, mb, copy) of a send -> time it ran
+    clock = {r: 0.0 for r in schedule}
+    busy = {r: 0.0 for r in schedule}
+    pc = {r: 0 for r in schedule}
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in schedule.items():
+            while pc[r] < len(acts):
+                a = acts[pc[r]]
+                if a.kind in _MATCH:
+                    peers = senders.get(a.stage, set()) if a.kind == "RECV_F" else \
+                        links.get(a.stage, set())
+                    keys = [Action(_MATCH[a.kind], p, a.mb, a.copy) for p in peers]
+                    if not all(k in sent for k in keys):
+                        break
+                    clock[r] = max([clock[r], *(sent[k] for k in keys)])
+                elif a.kind in ("SEND_F", "SEND_B"):
+                    sent[a] = clock[r]
+                elif a.kind in ("F", "B"):
+                    cost = f_cost if a.kind == "F" else b_cost
+                    clock[r] += cost
+                    busy[r] += cost
+                pc[r] += 1
+                progress = True
+    stuck = {r: str(acts[pc[r]]) for r, acts in schedule.items() if pc[r] < len(acts)}
+    if stuck:
+        raise ScheduleError(f"deadlock: ranks wait forever at {stuck}")
+    return SimResult(max(clock.values()), busy)
+
+
+def validate(schedule: Schedule, links: Links) -> None:
+    """Check the rules: each (copy, stage, mb) has one F and one B on one rank, F before B,
+    and every send is matched by a receive (and the reverse)."""
+    owner: dict[tuple[int, int], int] = {}
+    counts: Counter[Action] = Counter()
+    for r, acts in schedule.items():
+        done_f: set[tuple[int, int, int]] = set()
+        for a in acts:
+            counts[a] += 1
+            if a.kind in ("F", "B"):
+                key = (a.copy, a.stage)
+                if owner.setdefault(key, r) != r:
+                    raise ScheduleError(f"stage {a.stage} (copy {a.copy}) runs on ranks "
+                                        f"{owner[key]} and {r}")
+            if a.kind == "F":
+                done_f.add((a.copy, a.stage, a.mb))
+            if a.kind == "B" and (a.copy, a.stage, a.mb) not in done_f:
+                raise ScheduleError(f"rank {r}: {a} comes before its forward")
+    for a, n in counts.items():
+        if a.kind in ("F", "B") and n != 1:
+            raise ScheduleError(f"{a} appears {n} times")
+    fs = {(a.copy, a.stage, a.mb) for a in counts if a.kind == "F"}
+    bs = {(a.copy, a.stage, a.mb) for a in counts if a.kind == "B"}
+    if fs != bs:
+        raise ScheduleError(f"forwards without backwards (or the reverse): {sorted(fs ^ bs)}")
+    senders = _senders(links)
+    for a in counts:
+        if a.kind == "SEND_F":
+            for dst in links.get(a.stage, set()):
+                if Action("RECV_F", dst, a.mb, a.copy) not in counts:
+                    raise ScheduleError(f"{a} has no matching {dst}RECV_F{a.mb}")
+        if a.kind == "RECV_F":
+            for src in senders.get(a.stage, set()):
+                if Action("SEND_F", src, a.mb, a.copy) not in counts:
+                    raise ScheduleError(f"{a} has no matching {src}SEND_F{a.mb}")
+        if a.kind == "SEND_B":
+            for src in senders.get(a.stage, set()):
+                if Action("RECV_B", src, a.mb, a.copy) not in counts:
+                    raise ScheduleError(f"{a} has no matching {src}RECV_B{a.mb}")

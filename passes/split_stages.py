@@ -1,0 +1,173 @@
+"""Pass: cut the graph into ``plan.stages`` contiguous pieces of a topological order.
+
+Every compute node gets a :class:`StageAssignment`. Cuts are chosen on the graph's own
+(topological) node order, so every edge goes forward: a tensor made in stage a and used in
+stage b > a is sent from a to b directly, however many cuts it crosses (U-Net skips, DenseNet
+concatenations). Before (stages=2)::
+
+    conv1 -> bn1 -> relu -> layer1 ... -> fc -> output
+
+after: the same graph, ``node.meta["fxpar.stage"] = StageAssignment(0 | 1)`` on every node, and
+a ``model_output`` node in front of ``output`` so the last stage builds the model's output even
+when part of it was computed earlier.
+
+Policy (when ``plan.balance`` is None): each node costs ``3 * forward FLOPs`` (forward plus a
+backward of about twice that) plus ``BYTE_COST`` per output byte (memory-bound ops such as
+BatchNorm and ReLU have no FLOPs but are not free). Cut k aims at ``k/S`` of the total cost; among
+positions whose prefix cost lies within ``TOLERANCE`` of a stage's share of that aim, the one with
+the fewest bytes live across the cut wins (ties: the closest to the aim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import networkx as nx
+from torch import fx
+
+from fxpar import meta
+from fxpar.meta import NodeCost
+from fxpar.plan import Plan, PlanError
+
+BYTE_COST = 8.0
+TOLERANCE = 0.08
+_SKIP = ("placeholder", "output", "get_attr")
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """The stage a node runs in."""
+
+    KEY: ClassVar[str] = "fxpar.stage"
+    stage: int
+
+
+def model_output(value: Any) -> Any:
+    """Identity; marks the model's output so that the last stage assembles it."""
+    return value
+
+
+def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """Nodes that do work, in graph (topological) order; what ``Plan.balance`` counts."""
+    return [n for n in gm.graph.nodes if n.op not in _SKIP and n.target is not model_output]
+
+
+def node_cost(n: fx.Node) -> float:
+    c = meta.find(n, NodeCost)
+    return 0.0 if c is None else 3.0 * c.flops + BYTE_COST * c.out_bytes
+
+
+def dataflow(gm: fx.GraphModule) -> nx.DiGraph:
+    """The graph as networkx data: nodes carry ``cost`` and ``bytes``, edges go producer->user."""
+    g = nx.DiGraph()
+    for n in gm.graph.nodes:
+        c = meta.find(n, NodeCost)
+        g.add_node(n, cost=node_cost(n), bytes=0 if c is None else c.out_bytes)
+        for user in n.users:
+            g.add_edge(n, user)
+    return g
+
+
+def cut_traffic(gm: fx.GraphModule, order: list[fx.Node]) -> list[int]:
+    """``traffic[p]``: bytes live across a cut placed before ``order[p]`` (model inputs and
+    constants excluded: every rank has those)."""
+    g = dataflow(gm)
+    pos = {n: i for i, n in enumerate(order)}
+    last = len(order)
+    delta = [0] * (len(order) + 2)
+    for n in order:
+        users = [pos.get(u, last) for u in g.successors(n)]  # the output node counts as last
+        if users:
+            delta[pos[n] + 1] += g.nodes[n]["bytes"]
+            delta[max(users) + 1] -= g.nodes[n]["bytes"]
+    traffic, running = [], 0
+    for p in range(len(order) + 1):
+        running += delta[p]
+        traffic.append(running)
+    return traffic
+
+
+def choose_cuts(costs: list[float], traffic: list[int], stages: int) -> list[int]:
+    """Positions p_1 < ... < p_{S-1} (stage k is ``order[p_k:p_{k+1}]``), see module docstring."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    total = prefix[-1] or 1.0
+    share = total / stages
+    cuts: list[int] = []
+    lo = 1
+    for k in range(1, stages):
+        hi = n - (stages - k)  # leave at least one node for each remaining stage
+        aim = k * share
+        window = [p for p in range(lo, hi + 1) if abs(prefix[p] - aim) <= TOLERANCE * share]
+        if not window:
+            window = [min(range(lo, hi + 1), key=lambda p: abs(prefix[p] - aim))]
+        best = min(window, key=lambda p: (traffic[p], abs(prefix[p] - aim)))
+        cuts.append(best)
+        lo = best + 1
+    return cuts
+
+
+def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """Assign every node of ``gm`` (analysed) to one of ``plan.stages`` stages."""
+    order = compute_nodes(gm)
+    s = plan.stages
+    if s > len(order):
+        raise PlanError(f"Plan.stages={s} but the model has only {len(order)} compute nodes: "
+                        f"use at most {len(order)} stages")
+    if plan.balance is not None:
+        if sum(plan.balance) != len(order):
+            raise PlanError(
+                f"Plan.balance={plan.balance} sums to {sum(plan.balance)} but the model has "
+                f"{len(order)} compute nodes (see `fxpar-inspect --stages`): make it sum to "
+                f"{len(order)}")
+        cuts = [sum(plan.balance[:k]) for k in range(1, s)]
+    else:
+        cuts = choose_cuts([node_cost(n) for n in order], cut_traffic(gm, order), s)
+    bounds = [0, *cuts, len(order)]
+    for k in range(s):
+        for n in order[bounds[k]:bounds[k + 1]]:
+            meta.put(n, StageAssignment(k))
+    first_use = {n: min((meta.get(u, StageAssignment).stage for u in n.users
+                         if meta.find(u, StageAssignment)), default=0)
+                 for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")}
+    for n, stage in first_use.items():
+        meta.put(n, StageAssignment(stage if n.op == "get_attr" else 0))
+    _mark_output(gm, s - 1)
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            used = {meta.get(u, StageAssignment).stage for u in n.users}
+            if len(used) > 1:
+                raise PlanError(f"{n.target!r} is used by stages {sorted(used)}; a tensor "
+                                f"attribute shared across stages is not supported: change the "
+                                f"cut with Plan.balance")
+    _check_no_shared_modules(gm)
+    return gm
+
+
+def _mark_output(gm: fx.GraphModule, last: int) -> None:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    if out.args and isinstance(out.args[0], fx.Node) and out.args[0].target is model_output:
+        return
+    with gm.graph.inserting_before(out):
+        packed = gm.graph.call_function(model_output, (out.args[0],))
+    out.args = (packed,)
+    meta.put(packed, StageAssignment(last))
+
+
+def _check_no_shared_modules(gm: fx.GraphModule) -> None:
+    """A module whose parameters or buffers are used in two stages would train as two."""
+    where: dict[int, tuple[str, int]] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_module":
+            continue
+        stage = meta.get(n, StageAssignment).stage
+        mod = gm.get_submodule(str(n.target))
+        for pname, p in [*mod.named_parameters(), *mod.named_buffers()]:
+            seen = where.setdefault(id(p), (f"{n.target}.{pname}", stage))
+            if seen[1] != stage:
+                raise PlanError(f"parameter {seen[0]} is used in stages {seen[1]} and {stage}; "
+                                f"parameters shared across stages are not supported: set "
+                                f"Plan.balance so both uses fall in one stage")
