@@ -70,4 +70,4 @@ def compile(  # noqa: A001 - the public name the design fixes
     schedule = pipeline(plan.stages, plan.microbatches, plan.schedule, links_of(graph))
     return Program(plan=plan, rank_map=RankMap(plan), graph=graph, schedule=schedule,
                    loss_fn=loss_fn, optimizer=optimizer, batch_size=int(shape[0]),
-                   names=tuple(model.state_dict().keys()))
+                   names=tuple(model.state_dict().keys()), traced=gm)

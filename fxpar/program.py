@@ -45,6 +45,8 @@ class Program:
     """The global batch size the program was compiled for."""
     names: tuple[str, ...] = ()
     """The original model's state_dict keys, in its order (rank programs list theirs so)."""
+    traced: fx.GraphModule | None = None
+    """The whole analysed graph after all passes (per micro-batch shapes), for inspection."""
 
     @property
     def world_size(self) -> int:

@@ -6,7 +6,9 @@ from torch import fx, nn
 
 from fxpar import meta
 from fxpar.meta import NodeCost, TensorInfo
+from fxpar.stages import StageGraph
 from fxpar.trace import totals
+from passes.split_stages import StageAssignment, compute_nodes
 
 
 def si(n: float, unit: str = "") -> str:
@@ -52,14 +54,7 @@ def node_table(gm: fx.GraphModule) -> str:
         rows.append((str(i), n.name, op_name(gm, n), shape_text(n),
                      si(c.flops) if c.flops else "0", nbytes(c.out_bytes),
                      nbytes(c.param_bytes) if c.param_bytes else "0"))
-    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
-    right = {0, 4, 5, 6}
-    lines = []
-    for r in rows:
-        cells = [v.rjust(w) if k in right else v.ljust(w)
-                 for k, (v, w) in enumerate(zip(r, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
+    return "\n".join(_columns(rows, right={0, 4, 5, 6}))
 
 
 def totals_line(gm: fx.GraphModule) -> str:
@@ -68,3 +63,36 @@ def totals_line(gm: fx.GraphModule) -> str:
     return (f"total: {si(t.flops, 'FLOP')} forward, {nbytes(t.out_bytes)} of node outputs, "
             f"{nbytes(params)} of parameters ({sum(p.numel() for p in gm.parameters()):,} "
             f"values)")
+
+
+def stage_table(gm: fx.GraphModule, graph: StageGraph) -> str:
+    """Per stage: nodes, forward FLOPs, parameter bytes, activation bytes; then per cut: the
+    tensors and bytes that cross it (per micro-batch, each direction)."""
+    stats = {k: [0, 0, 0, 0] for k in range(len(graph.modules))}
+    for n in compute_nodes(gm):
+        k = meta.get(n, StageAssignment).stage
+        c = meta.get(n, NodeCost)
+        stats[k][0] += 1
+        stats[k][1] += c.flops
+        stats[k][3] += c.out_bytes
+    for k, m in enumerate(graph.modules):
+        stats[k][2] = sum(p.numel() * p.element_size() for p in m.parameters())
+    rows = [("stage", "nodes", "FLOPs", "params", "activations")]
+    rows += [(str(k), str(v[0]), si(v[1]), nbytes(v[2]), nbytes(v[3])) for k, v in stats.items()]
+    lines = _columns(rows, right={1, 2, 3, 4})
+    lines.append("")
+    cut_rows = [("cut", "tensors", "bytes", "transfers (src->dst: shape)")]
+    for k in range(1, len(graph.modules)):
+        crossing = [t for t in graph.transfers if t.src < k <= t.dst]
+        detail = ", ".join(f"{t.src}->{t.dst}: {'x'.join(map(str, t.shape))}" for t in crossing)
+        cut_rows.append((f"{k - 1}|{k}", str(len(crossing)),
+                         nbytes(sum(t.nbytes for t in crossing)), detail))
+    lines += _columns(cut_rows, right={1, 2})
+    return "\n".join(lines)
+
+
+def _columns(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    return ["  ".join(v.rjust(w) if k in right else v.ljust(w)
+                      for k, (v, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+            for r in rows]

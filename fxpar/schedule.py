@@ -139,7 +139,7 @@ def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None) -> str:
     ranks = sorted(schedule)
     steps = max((len(a) for a in schedule.values()), default=0)
     width = max([len(str(a)) for acts in schedule.values() for a in acts] + [6]) + 2
-    lines = ["step  " + "".join(f"rank {r}".ljust(width) for r in ranks)]
+    lines = [("step  " + "".join(f"rank {r}".ljust(width) for r in ranks)).rstrip()]
     for s in range(steps):
         cells = []
         for r in ranks:

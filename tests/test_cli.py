@@ -84,3 +84,28 @@ def test_run_rejects_a_bad_plan_before_starting():
             "--parts", "4")
     assert r.returncode == 2
     assert "batch size 6 does not split into 4 equal chunks" in r.stderr
+
+
+def test_inspect_stage_table_and_schedule_grid():
+    r = run(sys.executable, "-m", "fxpar.cli.inspect", "torchvision:resnet18", "--image-size",
+            "128", "--batch-size", "32", "--stages", "3", "--microbatches", "4", "--schedule",
+            "1f1b")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "(per micro-batch of 8)" in out.splitlines()[0]
+    assert "stages: 3 on 3 ranks" in out
+    table = out.split("stages: 3 on 3 ranks\n")[1].split("\n\n")[0].splitlines()
+    assert table[0].split() == ["stage", "nodes", "FLOPs", "params", "activations"]
+    assert sum(int(line.split()[1]) for line in table[1:]) == 69
+    assert "0|1" in out and "1|2" in out and "0->1: 8x" in out
+    grid = out.split("(one training step, step x rank)\n")[1].splitlines()
+    assert grid[0].split() == ["step", "rank", "0", "rank", "1", "rank", "2"]
+    assert grid[1].split() == ["0", "0F0", "1RECV_F0", "2RECV_F0"]
+    assert "simulated bubble (F=1, B=2 ticks): 33.3%; formula (p-1)/(m+p-1) = 33.3%" in out
+
+
+def test_inspect_bad_balance_is_a_clear_error():
+    r = run(sys.executable, "-m", "fxpar.cli.inspect", "torchvision:resnet18", "--image-size",
+            "64", "--batch-size", "2", "--stages", "2", "--balance", "3,4")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "make it sum to 69" in r.stderr

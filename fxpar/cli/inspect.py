@@ -3,6 +3,8 @@
     fxpar-inspect torchvision:resnet50 --image-size 1024 --batch-size 2
     fxpar-inspect models:amoebanet -k num_layers=6 -k num_filters=64 --image-size 512
     fxpar-inspect path/to/net.py:make_net --image-size 2048 --channels 1
+    fxpar-inspect torchvision:resnet18 --image-size 128 --batch-size 32 --stages 2 \
+        --microbatches 4 --schedule 1f1b
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from collections.abc import Sequence
 
 import torch
 
-from fxpar.plan import PlanError
-from fxpar.report import node_table, totals_line
+from fxpar.compiler import compile as fx_compile
+from fxpar.compiler import links_of
+from fxpar.plan import SCHEDULES, Plan, PlanError
+from fxpar.report import node_table, stage_table, totals_line
+from fxpar.schedule import format_grid
+from fxpar.simulate import simulate
 from fxpar.trace import TraceError, trace
 from fxpar.zoo import ModelSpecError, build_model, parse_kwargs
 
@@ -34,6 +40,11 @@ def parser() -> argparse.ArgumentParser:
                    help="passed to the factory as num_classes")
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"),
                    default="float32")
+    g = p.add_argument_group("plan: with --stages, also print the stage table and the schedule")
+    g.add_argument("--stages", "--split-size", type=int, default=None)
+    g.add_argument("--balance", default=None, help="comma-separated node counts per stage")
+    g.add_argument("--microbatches", "--parts", type=int, default=1)
+    g.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
     return p
 
 
@@ -47,16 +58,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype = getattr(torch, args.dtype)
         model = model.to(dtype)
         shape = (args.batch_size, args.channels, args.image_size, args.image_size)
+        example = torch.empty(shape, dtype=dtype, device="meta")
         start = time.perf_counter()
-        gm = trace(model, torch.empty(shape, dtype=dtype, device="meta"))
+        program = None
+        if args.stages is None:
+            gm = trace(model, example)
+        else:
+            balance = tuple(int(b) for b in args.balance.split(",")) if args.balance else None
+            plan = Plan(stages=args.stages, balance=balance, microbatches=args.microbatches,
+                        schedule=args.schedule)
+            program = fx_compile(model, plan, example)
+            assert program.traced is not None
+            gm = program.traced
         took = time.perf_counter() - start
     except (ModelSpecError, TraceError, PlanError, ValueError, TypeError) as e:
         print(f"fxpar-inspect: error: {e}", file=sys.stderr)
         return 2
+    per = "" if program is None else f" (per micro-batch of {shape[0] // program.plan.chunks()})"
     print(f"model: {args.model}  input: {'x'.join(map(str, shape))} {args.dtype}  "
-          f"nodes: {len(gm.graph.nodes)}  (traced and analysed in {took:.2f} s)")
+          f"nodes: {len(gm.graph.nodes)}  (traced and analysed in {took:.2f} s){per}")
     print(node_table(gm))
     print(totals_line(gm))
+    if program is not None:
+        print(f"\nstages: {program.plan.stages} on {program.world_size} ranks")
+        print(stage_table(gm, program.graph))
+        print(f"\nschedule: {program.plan.schedule}, {program.plan.microbatches} micro-batches "
+              f"(one training step, step x rank)")
+        print(format_grid(program.schedule))
+        sim = simulate(program.schedule, links_of(program.graph))
+        print(f"simulated bubble (F=1, B=2 ticks): {sim.bubble:.1%}; formula (p-1)/(m+p-1) = "
+              f"{(plan.stages - 1) / (plan.microbatches + plan.stages - 1):.1%}")
     return 0
 
 
