@@ -6,18 +6,41 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 
+from fxpar import meta
+from fxpar.meta import TensorInfo
 from fxpar.passdriver import run_passes
 from fxpar.plan import Plan, PlanError, RankMap
-from fxpar.program import OptimizerFactory, Program
+from fxpar.program import OptimizerFactory, Program, SpatialInfo
 from fxpar.runtime import LossFn
-from fxpar.schedule import Links, pipeline
+from fxpar.schedule import Links, pipeline, place
+from fxpar.spatial.geometry import Grid
+from fxpar.spatial.ops import group_key
 from fxpar.stages import StageGraph, build_stages
 from fxpar.trace import trace
-from passes.split_stages import split_stages
+from passes.halo import tile_stage
+from passes.spatial_region import SpatialLayout, limit_region, spatial_region
+from passes.split_stages import model_output, split_stages
 
-PASSES = [("split_stages", split_stages)]
+PASSES = [("spatial_region", spatial_region), ("split_stages", split_stages),
+          ("limit_region", limit_region)]
+
+
+def tile_stages(gm: fx.GraphModule, graph: StageGraph, plan: Plan) -> SpatialInfo:
+    """Per spatial stage and tile, the rewritten stage module; what the loss needs to know."""
+    grid = Grid(*plan.tile_grid())
+    tiles = {}
+    for s in range(plan.spatial_stages):
+        batch = {i for i, src in enumerate(graph.inputs[s]) if src.source == "batch"}
+        for t in range(grid.size):
+            tiles[(s, t)] = tile_stage(graph.modules[s], grid, t, group_key(s), batch)
+    packed = next(n for n in gm.graph.nodes if n.target is model_output)
+    out = packed.args[0]
+    lay = meta.find(out, SpatialLayout) if isinstance(out, fx.Node) else None
+    out_tiled = lay is not None and lay.tiled
+    shape = meta.get(out, TensorInfo).shape if out_tiled else (0, 0, 0, 0)
+    return SpatialInfo(tiles, grid, out_tiled, (shape[2], shape[3]))
 
 
 def links_of(graph: StageGraph) -> Links:
@@ -52,9 +75,9 @@ def compile(  # noqa: A001 - the public name the design fixes
     if example_input is None:
         raise TypeError("fxpar.compile needs example_input: a batch or its shape, e.g. "
                         "(8, 3, 1024, 1024); a meta tensor avoids allocating it")
-    if plan.spatial or plan.gems or plan.data_parallel > 1:
-        raise PlanError(f"this fxpar build runs layer and pipeline parallelism only; {plan} "
-                        f"needs spatial/GEMS/data parallelism")
+    if plan.gems or plan.data_parallel > 1:
+        raise PlanError(f"this fxpar build runs spatial, layer and pipeline parallelism only; "
+                        f"{plan} needs GEMS/data parallelism")
     shape = tuple(example_input.shape if isinstance(example_input, torch.Tensor)
                   else example_input)
     plan.check_batch(int(shape[0]))
@@ -67,7 +90,11 @@ def compile(  # noqa: A001 - the public name the design fixes
     gm = trace(model, example, leaf_modules=leaf_modules)  # shapes are per micro-batch
     gm = run_passes(gm, plan, PASSES)
     graph = build_stages(gm)
-    schedule = pipeline(plan.stages, plan.microbatches, plan.schedule, links_of(graph))
-    return Program(plan=plan, rank_map=RankMap(plan), graph=graph, schedule=schedule,
+    rank_map = RankMap(plan)
+    per_stage = pipeline(plan.stages, plan.microbatches, plan.schedule, links_of(graph))
+    schedule = place(per_stage, [rank_map.roles_of(r)[0].stage for r in range(plan.world_size)],
+                     [plan.group_size(s) for s in range(plan.stages)])
+    spatial = tile_stages(gm, graph, plan) if plan.spatial else None
+    return Program(plan=plan, rank_map=rank_map, graph=graph, schedule=schedule,
                    loss_fn=loss_fn, optimizer=optimizer, batch_size=int(shape[0]),
-                   names=tuple(model.state_dict().keys()), traced=gm)
+                   names=tuple(model.state_dict().keys()), traced=gm, spatial=spatial)

@@ -21,11 +21,24 @@ from torch import fx, nn
 
 from fxpar.comm import Comm
 from fxpar.plan import Plan, PlanError, RankMap
-from fxpar.runtime import LossFn, Runtime, StepState
+from fxpar.runtime import LossFn, Runtime, StepState, Tiling
 from fxpar.schedule import Action, Schedule
+from fxpar.spatial.geometry import Grid
+from fxpar.spatial.ops import group_key, set_group
 from fxpar.stages import StageGraph
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class SpatialInfo:
+    """The tile programs of the spatial stages, and how the model output is laid out."""
+
+    tiles: dict[tuple[int, int], fx.GraphModule]
+    """(stage, tile) -> that tile's rewritten stage module."""
+    grid: Grid
+    out_tiled: bool
+    out_extent: tuple[int, int]
 
 # Environment variables an MPI launcher sets in every rank (MPICH/Hydra, Open MPI, Slurm).
 _LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
@@ -47,6 +60,7 @@ class Program:
     """The original model's state_dict keys, in its order (rank programs list theirs so)."""
     traced: fx.GraphModule | None = None
     """The whole analysed graph after all passes (per micro-batch shapes), for inspection."""
+    spatial: SpatialInfo | None = None
 
     @property
     def world_size(self) -> int:
@@ -61,8 +75,10 @@ class Program:
         """Rank ``rank``'s program. Its modules share parameters with the compiled model."""
         if not 0 <= rank < self.world_size:
             raise PlanError(f"rank {rank} is outside this plan's {self.world_size} ranks")
-        stages = {(r.copy, r.stage): self.graph.modules[r.stage]
-                  for r in self.rank_map.roles_of(rank)}
+        stages = {}
+        for r in self.rank_map.roles_of(rank):
+            tiles = self.spatial.tiles if self.spatial is not None else {}
+            stages[(r.copy, r.stage)] = tiles.get((r.stage, r.tile), self.graph.modules[r.stage])
         return RankProgram(self, rank, stages, comm)
 
     def local(self, comm: Comm | None = None) -> RankProgram:
@@ -96,8 +112,29 @@ class RankProgram:
         self.optimizer = program.optimizer(iter(params)) if program.optimizer else None
         rank_map, dp = program.rank_map, program.rank_map.dp_index(rank)
         self.runtime = Runtime(
-            rank, program.graph, stages, lambda copy, stage: rank_map.rank_of(dp, copy, stage),
-            program.schedule, program.loss_fn, self.optimizer, comm, program.plan.microbatches)
+            rank, program.graph, stages,
+            lambda copy, stage, tile: rank_map.rank_of(dp, copy, stage, tile),
+            program.schedule, program.loss_fn, self.optimizer, comm, program.plan.microbatches,
+            self._tiling())
+
+    def _tiling(self) -> Tiling | None:
+        """This rank's tile and tile group (a collective over all ranks: every rank calls it
+        once, in rank-program construction)."""
+        info = self.program.spatial
+        if info is None:
+            return None
+        role = self.program.rank_map.roles_of(self.rank)[0]
+        plan = self.program.plan
+        group = None
+        if self.comm is not None:
+            spatial = role.stage < plan.spatial_stages
+            color = (self.program.rank_map.dp_index(self.rank) * plan.stages + role.stage
+                     if spatial else plan.world_size + self.rank)
+            group = self.comm.split(color, key=role.tile)
+            if spatial:
+                set_group(group_key(role.stage, role.copy), group)
+        return Tiling(info.grid, role.tile, plan.spatial_stages, info.out_tiled,
+                      info.out_extent, group)
 
     @property
     def plan(self) -> Plan:

@@ -26,10 +26,41 @@ from torch import fx
 
 from fxpar.comm import Comm, Request
 from fxpar.schedule import Action, Schedule, format_grid
+from fxpar.spatial.geometry import Grid, Rect
 from fxpar.stages import StageGraph, Transfer
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Key = tuple[int, int, int]  # (copy, stage, micro-batch)
+
+
+@dataclass(frozen=True)
+class Posted:
+    """A receive in flight: into ``buf``, which is ``rect`` of the transfer's whole tensor
+    (None: the whole tensor, or this rank's tile of it)."""
+
+    transfer: Transfer
+    buf: torch.Tensor
+    req: Request
+    rect: Rect | None = None
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """This rank's place in the spatial layout (absent for non-spatial plans)."""
+
+    grid: Grid
+    tile: int
+    spatial_stages: int
+    out_tiled: bool
+    """The model output is tiled (a loss on tiles) rather than replicated."""
+    out_extent: tuple[int, int]
+    group: Comm | None = None
+
+    def spatial(self, stage: int) -> bool:
+        return stage < self.spatial_stages
+
+    def rect(self, extent: tuple[int, int], tile: int | None = None) -> Rect:
+        return self.grid.tile_rect(extent, self.tile if tile is None else tile)
 
 
 @dataclass
@@ -44,8 +75,8 @@ class StepState:
     outputs: dict[Key, tuple[Any, ...]] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     results: dict[int, Any] = field(default_factory=dict)
-    recv_f: dict[Key, list[tuple[Transfer, torch.Tensor, Request]]] = field(default_factory=dict)
-    recv_b: dict[Key, list[tuple[Transfer, torch.Tensor, Request]]] = field(default_factory=dict)
+    recv_f: dict[Key, list[Posted]] = field(default_factory=dict)
+    recv_b: dict[Key, list[Posted]] = field(default_factory=dict)
     grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
     sends: list[Request] = field(default_factory=list)
 
@@ -62,20 +93,21 @@ class Runtime:
     graph: StageGraph
     stages: dict[tuple[int, int], fx.GraphModule]
     """(copy, stage) -> module, for the stages this rank holds."""
-    peer: Callable[[int, int], int]
-    """(copy, stage) -> the rank that runs it (in this rank's data-parallel replica)."""
+    peer: Callable[[int, int, int], int]
+    """(copy, stage, tile) -> the rank that runs it (in this rank's data-parallel replica)."""
     schedule: Schedule
     loss_fn: LossFn
     optimizer: torch.optim.Optimizer | None
     comm: Comm | None
     microbatches: int
+    tiling: Tiling | None = None
 
     def run(self, state: StepState, actions: list[Action] | None = None) -> None:
         """The loop: every action of this rank, in order."""
         handlers: dict[str, Callable[[Action, StepState], None]] = {
             "F": self._forward, "B": self._backward, "STEP": self._step,
             "SEND_F": self._send_f, "RECV_F": self._recv_f,
-            "SEND_B": self._send_b, "RECV_B": self._recv_b,
+            "SEND_B": self._send_b, "RECV_B": self._recv_b, "ALLREDUCE": self._allreduce,
         }
         todo = self.schedule[self.rank] if actions is None else actions
         for i, action in enumerate(todo):
@@ -107,9 +139,16 @@ class Runtime:
         key = (a.copy, a.stage, a.mb)
         module = self.stages[(a.copy, a.stage)]
         received: dict[int, torch.Tensor] = {}
-        for t, buf, req in st.recv_f.pop(key, []):
-            req.wait()
-            received[t.id] = buf
+        for p in st.recv_f.pop(key, []):
+            p.req.wait()
+            if p.rect is None:
+                received[p.transfer.id] = p.buf
+                continue
+            whole = received.setdefault(p.transfer.id, torch.empty(p.transfer.shape,
+                                                                   dtype=p.transfer.dtype))
+            full = Rect((0, whole.shape[2]), (0, whole.shape[3]))
+            hs, ws = full.local(p.rect)
+            whole[:, :, hs, ws] = p.buf
         ins: list[torch.Tensor] = []
         for src in self.graph.inputs[a.stage]:
             if src.source == "batch":
@@ -130,9 +169,10 @@ class Runtime:
             if not st.train:
                 st.results[a.mb] = result
                 return
-            loss = self.loss_fn(result, st.y_chunks[a.mb])
-            if st.scale != 1.0:
-                loss = loss * st.scale
+            loss = self.loss_fn(result, self._target(a, st.y_chunks[a.mb]))
+            scale = st.scale * self._loss_share(a.stage)
+            if scale != 1.0:
+                loss = loss * scale
             st.losses.append(loss.detach())
             outs = (loss,)
         st.outputs[key] = outs
@@ -144,10 +184,10 @@ class Runtime:
             outs[0].backward()
         else:
             grads: list[torch.Tensor | None] = [None] * len(outs)
-            for t, buf, req in st.recv_b.pop(key, []):
-                req.wait()
-                g = grads[t.src_out]
-                grads[t.src_out] = buf if g is None else g + buf
+            for p in st.recv_b.pop(key, []):
+                p.req.wait()
+                g = grads[p.transfer.src_out]
+                grads[p.transfer.src_out] = p.buf if g is None else g + p.buf
             pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
                      if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
             if pairs:
@@ -160,40 +200,126 @@ class Runtime:
         if self.optimizer is not None:
             self.optimizer.step()
 
+    def _allreduce(self, a: Action, st: StepState) -> None:
+        """Sum this stage's gradients over its tile group (every parameter: see
+        fxpar.spatial.ops for why one rule covers tiled and replicated parts)."""
+        assert self.tiling is not None and self.tiling.group is not None
+        grads = [p.grad for m in self.stages.values() for p in m.parameters()
+                 if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.tiling.group.allreduce(flat)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    # -- spatial helpers ----------------------------------------------------------------------
+    def _loss_share(self, stage: int) -> float:
+        """The part of the loss this rank's output carries: 1/P of a replicated output (each
+        tile computes it), the tile's pixel fraction of a tiled one."""
+        tl = self.tiling
+        if tl is None or not tl.spatial(stage):
+            return 1.0
+        if not tl.out_tiled:
+            return 1.0 / tl.grid.size
+        r = tl.rect(tl.out_extent)
+        return (r.shape[0] * r.shape[1]) / (tl.out_extent[0] * tl.out_extent[1])
+
+    def _target(self, a: Action, y: Any) -> Any:
+        tl = self.tiling
+        if tl is None or not tl.spatial(a.stage) or not tl.out_tiled:
+            return y
+        r = tl.rect(tl.out_extent)
+        return y[..., r.h[0]:r.h[1], r.w[0]:r.w[1]]
+
+    def _kind(self, t: Transfer) -> str:
+        """p2p (plain), tile (tile t -> tile t), gather (tiles -> one rank), replicated (one
+        whole value held by all tiles -> one rank: tile 0 sends it)."""
+        tl = self.tiling
+        if tl is None or not tl.spatial(t.src):
+            return "p2p"
+        if tl.spatial(t.dst):
+            return "tile"
+        return "gather" if t.tiled else "replicated"
+
+    def _tile_shape(self, t: Transfer, tile: int | None = None) -> tuple[int, ...]:
+        assert self.tiling is not None
+        r = self.tiling.rect((t.shape[2], t.shape[3]), tile)
+        return (*t.shape[:2], *r.shape)
+
     # -- communication ------------------------------------------------------------------------
     def _recv_f(self, a: Action, st: StepState) -> None:
         comm = self._assert_comm()
-        posted = []
+        posted: list[Posted] = []
+        tag = lambda t: self._tag(t, a, False)  # noqa: E731
         for t in self.graph.recvs(a.stage):
-            buf = torch.empty(t.shape, dtype=t.dtype)
-            req = comm.irecv(buf, self.peer(a.copy, t.src), self._tag(t, a, False))
-            posted.append((t, buf, req))
+            kind = self._kind(t)
+            if kind == "gather":
+                assert self.tiling is not None
+                for u in range(self.tiling.grid.size):
+                    buf = torch.empty(self._tile_shape(t, u), dtype=t.dtype)
+                    req = comm.irecv(buf, self.peer(a.copy, t.src, u), tag(t))
+                    posted.append(Posted(t, buf, req,
+                                         self.tiling.rect((t.shape[2], t.shape[3]), u)))
+                continue
+            tile = self.tiling.tile if kind == "tile" else 0  # type: ignore[union-attr]
+            shape = self._tile_shape(t) if kind == "tile" and t.tiled else t.shape
+            buf = torch.empty(shape, dtype=t.dtype)
+            posted.append(Posted(t, buf, comm.irecv(buf, self.peer(a.copy, t.src, tile),
+                                                    tag(t))))
         st.recv_f[(a.copy, a.stage, a.mb)] = posted
 
     def _send_f(self, a: Action, st: StepState) -> None:
         comm = self._assert_comm()
         outs = st.outputs[(a.copy, a.stage, a.mb)]
+        my_tile = self.tiling.tile if self.tiling is not None else 0
         for t in self.graph.sends(a.stage):
-            st.sends.append(comm.isend(outs[t.src_out].detach(), self.peer(a.copy, t.dst),
+            kind = self._kind(t)
+            if kind == "replicated" and my_tile != 0:
+                continue
+            dst_tile = my_tile if kind == "tile" else 0
+            st.sends.append(comm.isend(outs[t.src_out].detach(),
+                                       self.peer(a.copy, t.dst, dst_tile),
                                        self._tag(t, a, False)))
         if not st.train:
             del st.outputs[(a.copy, a.stage, a.mb)]  # nothing will run backward on it
 
     def _recv_b(self, a: Action, st: StepState) -> None:
         comm = self._assert_comm()
-        posted = []
+        posted: list[Posted] = []
+        my_tile = self.tiling.tile if self.tiling is not None else 0
         for t in self.graph.sends(a.stage):
-            if t.grad:
-                buf = torch.empty(t.shape, dtype=t.dtype)
-                req = comm.irecv(buf, self.peer(a.copy, t.dst), self._tag(t, a, True))
-                posted.append((t, buf, req))
+            kind = self._kind(t)
+            if not t.grad or (kind == "replicated" and my_tile != 0):
+                continue  # a replicated value's gradient goes to tile 0 only (partial: 0 here)
+            shape = self._tile_shape(t) if kind in ("gather", "tile") and t.tiled else t.shape
+            buf = torch.empty(shape, dtype=t.dtype)
+            dst_tile = my_tile if kind == "tile" else 0
+            posted.append(Posted(t, buf, comm.irecv(buf, self.peer(a.copy, t.dst, dst_tile),
+                                                    self._tag(t, a, True))))
         st.recv_b[(a.copy, a.stage, a.mb)] = posted
 
     def _send_b(self, a: Action, st: StepState) -> None:
         comm = self._assert_comm()
         grads = st.grads.pop((a.copy, a.stage, a.mb))
         for t in self.graph.recvs(a.stage):
-            if t.grad:
-                g = grads[t.dst_in]
-                g = torch.zeros(t.shape, dtype=t.dtype) if g is None else g
-                st.sends.append(comm.isend(g, self.peer(a.copy, t.src), self._tag(t, a, True)))
+            if not t.grad:
+                continue
+            g = grads[t.dst_in]
+            kind = self._kind(t)
+            if kind == "gather":
+                assert self.tiling is not None
+                whole = torch.zeros(t.shape, dtype=t.dtype) if g is None else g
+                full = Rect((0, t.shape[2]), (0, t.shape[3]))
+                for u in range(self.tiling.grid.size):
+                    hs, ws = full.local(self.tiling.rect((t.shape[2], t.shape[3]), u))
+                    st.sends.append(comm.isend(whole[:, :, hs, ws],
+                                               self.peer(a.copy, t.src, u),
+                                               self._tag(t, a, True)))
+                continue
+            shape = self._tile_shape(t) if kind == "tile" and t.tiled else t.shape
+            g = torch.zeros(shape, dtype=t.dtype) if g is None else g
+            src_tile = self.tiling.tile if kind == "tile" else 0  # type: ignore[union-attr]
+            st.sends.append(comm.isend(g, self.peer(a.copy, t.src, src_tile),
+                                       self._tag(t, a, True)))

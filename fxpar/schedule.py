@@ -123,10 +123,23 @@ def add_comm(order: list[Action], links: Links, grads: bool = True) -> list[Acti
 
 def pipeline(stages: int, microbatches: int, name: str = "gpipe",
              links: Links | None = None) -> Schedule:
-    """One rank per stage (rank = stage): compute order, communication, and a final STEP."""
+    """Per stage (keyed by stage; with one rank per stage, also by rank): compute order,
+    communication, and a final STEP."""
     order = GENERATORS[name](stages, microbatches)
     links = links if links is not None else chain(stages)
     return {s: [*add_comm(order[s], links), Action("STEP")] for s in range(stages)}
+
+
+def place(per_stage: Schedule, stage_of_rank: list[int], group_sizes: list[int]) -> Schedule:
+    """Per rank: its stage's list; ranks of a stage group (P > 1 tiles) sum their gradients
+    over the group (ALLREDUCE) before the step."""
+    out: Schedule = {}
+    for rank, stage in enumerate(stage_of_rank):
+        acts = list(per_stage[stage])
+        if group_sizes[stage] > 1:
+            acts.insert(len(acts) - 1, Action("ALLREDUCE", stage))
+        out[rank] = acts
+    return out
 
 
 def single_rank(microbatches: int = 1) -> Schedule:

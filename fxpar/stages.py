@@ -35,7 +35,10 @@ class Transfer:
     dst: int
     dst_in: int
     shape: tuple[int, ...]
+    """The whole tensor's shape (a tiled tensor's tiles are cut from it)."""
     dtype: torch.dtype
+    tiled: bool = False
+    """The tensor is tiled (it leaves a spatial stage as tiles)."""
 
     @property
     def grad(self) -> bool:
@@ -163,8 +166,9 @@ def build_stages(gm: fx.GraphModule) -> StageGraph:
             else:
                 raise AssertionError(f"unexpected stage input {arg.format_node()}")
             info = meta.get(ph, TensorInfo)
+            lay = ph.meta.get("fxpar.spatial")
             t = Transfer(len(transfers), stage_of[producer], int(out_index), k, q,
-                         info.shape, info.dtype)
+                         info.shape, info.dtype, tiled=bool(lay is not None and lay.tiled))
             transfers.append(t)
             ins.append(StageInput("transfer", t.id))
         inputs[k] = tuple(ins)

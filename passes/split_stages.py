@@ -53,9 +53,14 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op not in _SKIP and n.target is not model_output]
 
 
-def node_cost(n: fx.Node) -> float:
+def node_cost(n: fx.Node, parts: int = 1) -> float:
+    """Estimated forward+backward cost; a node that runs on ``parts`` tiles costs 1/parts."""
     c = meta.find(n, NodeCost)
-    return 0.0 if c is None else 3.0 * c.flops + BYTE_COST * c.out_bytes
+    if c is None:
+        return 0.0
+    lay = n.meta.get("fxpar.spatial")
+    share = parts if lay is not None and lay.tiled else 1
+    return (3.0 * c.flops + BYTE_COST * c.out_bytes) / share
 
 
 def dataflow(gm: fx.GraphModule) -> nx.DiGraph:
@@ -125,7 +130,8 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 f"{len(order)}")
         cuts = [sum(plan.balance[:k]) for k in range(1, s)]
     else:
-        cuts = choose_cuts([node_cost(n) for n in order], cut_traffic(gm, order), s)
+        costs = [node_cost(n, plan.spatial_parts) for n in order]
+        cuts = choose_cuts(costs, cut_traffic(gm, order), s)
     bounds = [0, *cuts, len(order)]
     for k in range(s):
         for n in order[bounds[k]:bounds[k + 1]]:

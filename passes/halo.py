@@ -1,0 +1,232 @@
+"""Pass: rewrite one spatial stage for one tile — halo exchanges, tile ops, BN sync, joins.
+
+Runs once per tile on a stage module whose nodes carry ``SpatialLayout`` (from
+``spatial_region``) and ``TensorInfo`` (global shapes). Before (a 3x3 convolution)::
+
+    conv1 = self.conv1(x)
+
+after, for tile t of a 2x2 grid (the window includes the halo and, at the image border, the
+padding the rank fills itself; the convolution then runs with padding 0)::
+
+    fxpar_halo_0 = self.fxpar_halo_0(x)         # Halo: rows -1:17 cols 15:33 <- tiles 0, 2, 3
+    conv1 = torch.conv2d(fxpar_halo_0, self.conv1.weight, self.conv1.bias, (1, 1), 0, ...)
+
+BatchNorm becomes ``sync_batch_norm`` (global statistics), a global mean ``spatial_mean``, and
+a node outside the region that reads a tile gets a ``Join`` first. Halo modules are printed
+with their widths per side (``fxpar-inspect``).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from fxpar import meta
+from fxpar.meta import TensorInfo
+from fxpar.spatial.geometry import Exchange, Grid, Rect, avg_counts, exchange
+from fxpar.spatial.opclass import BatchNorm, Mean, Pointwise, Window, classify
+from fxpar.spatial.ops import AvgDivisor, Halo, Join, spatial_mean, sync_batch_norm
+from passes.spatial_region import SpatialLayout
+
+
+@dataclass
+class _Ctx:
+    gm: fx.GraphModule
+    grid: Grid
+    tile: int
+    key: str
+    replicated: set[fx.Node]  # tiled-looking values that are in fact whole on every rank
+    count: int = 0
+
+    def add(self, prefix: str, module: torch.nn.Module) -> str:
+        name = f"fxpar_{prefix}_{self.count}"
+        self.count += 1
+        self.gm.add_submodule(name, module)
+        return name
+
+    def tag(self) -> int:
+        return 10 + 2 * self.count
+
+
+def _shape(n: fx.Node) -> tuple[int, ...]:
+    return meta.get(n, TensorInfo).shape
+
+
+def _extent(n: fx.Node) -> tuple[int, int]:
+    s = _shape(n)
+    return (s[2], s[3])
+
+
+def _tiled(n: Any) -> bool:
+    lay = meta.find(n, SpatialLayout) if isinstance(n, fx.Node) else None
+    return lay is not None and lay.tiled
+
+
+def _halo(ctx: _Ctx, before: fx.Node, x: fx.Node, needs: list[Rect], fill: float) -> fx.Node:
+    """Insert a Halo giving this tile ``needs[tile]`` of ``x``."""
+    ex: Exchange = exchange(ctx.grid, _extent(x), needs, ctx.tile, fill)
+    tag = ctx.tag()
+    name = ctx.add("halo", Halo(ex, ctx.key, replicated=x in ctx.replicated, tag=tag))
+    with ctx.gm.graph.inserting_before(before):
+        node = ctx.gm.graph.call_module(name, (x,))
+    n, c = _shape(x)[:2]
+    meta.put(node, TensorInfo(((n, c, *ex.need.shape),), (meta.get(x, TensorInfo).dtype,)))
+    return node
+
+
+def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
+    x = n.args[0]
+    assert isinstance(x, fx.Node)
+    out_ext, in_ext = _extent(n), _extent(x)
+    image = Rect((0, in_ext[0]), (0, in_ext[1]))
+    needs = []
+    for u in range(ctx.grid.size):
+        r = ctx.grid.tile_rect(out_ext, u)
+        need = Rect(op.needs(r.h, 0), op.needs(r.w, 1))
+        if op.kind == "bilinear":  # the border rows repeat (clamp): never fill past the image
+            need = need.intersect(image) or need
+        needs.append(need)
+    win = _halo(ctx, n, x, needs, op.fill)
+    own = ctx.grid.tile_rect(out_ext, ctx.tile)
+    need = needs[ctx.tile]
+    g = ctx.gm.graph
+    with g.inserting_before(n):
+        new = _tile_op(ctx, n, op, win, own, need, in_ext, out_ext)
+    _replace(g, n, new)
+
+
+def _replace(g: fx.Graph, old: fx.Node, new: fx.Node) -> None:
+    """Swap ``old`` for ``new``; ``new`` keeps ``old``'s metadata (the *global* shape and
+    layout of the value, which later windows are computed from)."""
+    new.meta.update(old.meta)
+    old.replace_all_uses_with(new)
+    g.erase_node(old)
+
+
+def _weights(ctx: _Ctx, n: fx.Node) -> tuple[Any, Any, Any]:
+    """(module, weight node, bias node) of a conv node (call_module or F.conv2d)."""
+    g = ctx.gm.graph
+    if n.op == "call_module":
+        m = ctx.gm.get_submodule(str(n.target))
+        w = g.get_attr(f"{n.target}.weight")
+        b = g.get_attr(f"{n.target}.bias") if m.bias is not None else None
+        return m, w, b
+    bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    groups = n.args[6] if len(n.args) > 6 else n.kwargs.get("groups", 1)
+    return {"groups": groups}, n.args[1], bias
+
+
+def _crop(g: fx.Graph, x: fx.Node, h: tuple[int, int], w: tuple[int, int]) -> fx.Node:
+    return g.call_function(operator.getitem, (x, (slice(None), slice(None), slice(*h),
+                                                  slice(*w))))
+
+
+def _tile_op(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect, need: Rect,
+             in_ext: tuple[int, int], out_ext: tuple[int, int]) -> fx.Node:
+    g = ctx.gm.graph
+    k, s, d = op.k, op.s, op.d
+    if op.kind == "pad":
+        return win
+    if op.kind == "conv":
+        m, w, b = _weights(ctx, n)
+        groups = m["groups"] if isinstance(m, dict) else m.groups
+        return g.call_function(F.conv2d, (win, w, b, s, 0, d, groups))
+    if op.kind == "maxpool":
+        return g.call_function(F.max_pool2d, (win, k, s, 0, d))
+    if op.kind == "avgpool":
+        override = op.attr("divisor_override")
+        plain = not op.attr("ceil_mode") and op.attr("count_include_pad")
+        if override or plain:
+            return g.call_function(F.avg_pool2d, (win, k, s, 0),
+                                   {"divisor_override": override} if override else {})
+        summed = g.call_function(F.avg_pool2d, (win, k, s, 0), {"divisor_override": 1})
+        counts = [avg_counts(in_ext[i], out_ext[i], k[i], s[i], op.p[i],
+                             bool(op.attr("count_include_pad"))) for i in range(2)]
+        div = AvgDivisor(counts[0][own.h[0]:own.h[1]], counts[1][own.w[0]:own.w[1]])
+        return g.call_module(ctx.add("avgdiv", div), (summed,))
+    if op.kind == "convT":
+        m, w, b = _weights(ctx, n)
+        full = g.call_function(F.conv_transpose2d, (win, w, b, s, 0, 0, m.groups, d))
+        base = (need.h[0] * s[0] - op.p[0], need.w[0] * s[1] - op.p[1])
+        return _crop(g, full, (own.h[0] - base[0], own.h[1] - base[0]),
+                     (own.w[0] - base[1], own.w[1] - base[1]))
+    mode = "nearest" if op.kind == "nearest" else "bilinear"
+    kw = {"scale_factor": (float(s[0]), float(s[1])), "mode": mode}
+    if mode == "bilinear":
+        kw["align_corners"] = False
+    up = g.call_function(F.interpolate, (win,), kw)
+    base = (need.h[0] * s[0], need.w[0] * s[1])
+    return _crop(g, up, (own.h[0] - base[0], own.h[1] - base[0]),
+                 (own.w[0] - base[1], own.w[1] - base[1]))
+
+
+def _as_tile(ctx: _Ctx, n: fx.Node, a: Any) -> Any:
+    """The input ``a`` of pointwise node ``n``, as this tile sees it."""
+    if not isinstance(a, fx.Node) or meta.find(a, TensorInfo) is None:
+        return a
+    if _tiled(a) and a not in ctx.replicated:
+        return a
+    shape = meta.get(a, TensorInfo).shapes
+    if len(shape) == 1 and len(shape[0]) == 4 and (shape[0][2], shape[0][3]) == _extent(n):
+        ext = _extent(n)
+        needs = [ctx.grid.tile_rect(ext, u) for u in range(ctx.grid.size)]
+        return _halo(ctx, n, a, needs, 0.0)  # whole on every rank: slice my tile
+    return a  # broadcast (e.g. a squeeze-excite scale of shape N x C x 1 x 1)
+
+
+def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
+               batch_inputs: set[int]) -> fx.GraphModule:
+    """A copy of ``stage`` that runs tile ``tile`` of ``grid`` (parameters shared).
+
+    batch_inputs: positions of the stage's inputs that are the model's input (every rank holds
+    the whole image, so halos read from it are local slices)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(stage.graph, {})
+    graph.output(out)
+    gm = fx.GraphModule(stage, graph, class_name=f"{type(stage).__name__}Tile{tile}")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ctx = _Ctx(gm, grid, tile, key, {placeholders[i] for i in batch_inputs})
+    joins: dict[fx.Node, fx.Node] = {}
+    for n in list(gm.graph.nodes):
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        if _tiled(n):
+            op = classify(gm, n)
+            if isinstance(op, Window):
+                _window(ctx, n, op)
+            elif isinstance(op, Pointwise):
+                n.args = tuple(_as_tile(ctx, n, a) for a in n.args)
+            elif isinstance(op, BatchNorm):
+                with gm.graph.inserting_before(n):
+                    bn = gm.graph.get_attr(op.path)
+                    shape = _shape(n)
+                    new = gm.graph.call_function(
+                        sync_batch_norm, (n.args[0], bn, key, shape[0] * shape[2] * shape[3]))
+                _replace(gm.graph, n, new)
+            continue
+        tiled_ins = [a for a in n.all_input_nodes if _tiled(a) and a not in ctx.replicated]
+        if not tiled_ins:
+            continue
+        op = classify(gm, n)
+        if isinstance(op, Mean):
+            x = n.args[0]
+            with gm.graph.inserting_before(n):
+                new = gm.graph.call_function(
+                    spatial_mean, (x, key, _extent(x)[0] * _extent(x)[1], op.keepdim))
+            _replace(gm.graph, n, new)
+            continue
+        for a in tiled_ins:  # the region ends here: the whole tensor on every rank
+            if a not in joins:
+                rects = tuple(grid.tile_rect(_extent(a), u) for u in range(grid.size))
+                name = ctx.add("join", Join(rects, tile, key, tag=ctx.tag()))
+                with gm.graph.inserting_before(n):
+                    joins[a] = gm.graph.call_module(name, (a,))
+            n.replace_input_with(a, joins[a])
+    gm.graph.lint()
+    gm.recompile()
+    return gm
