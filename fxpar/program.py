@@ -24,7 +24,7 @@ from fxpar.plan import Plan, PlanError, RankMap
 from fxpar.runtime import LossFn, Runtime, StepState, Tiling
 from fxpar.schedule import Action, Schedule
 from fxpar.spatial.geometry import Grid
-from fxpar.spatial.ops import group_key, set_group
+from fxpar.spatial.ops import Join, group_key, set_group
 from fxpar.stages import StageGraph
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
@@ -207,7 +207,16 @@ class RankProgram:
         if not state.results:
             return None
         outs = [state.results[i] for i in sorted(state.results)]
-        return torch.cat(outs) if isinstance(outs[0], torch.Tensor) else outs
+        if not isinstance(outs[0], torch.Tensor):
+            return outs
+        out = torch.cat(outs)
+        info, tiling = self.program.spatial, self.runtime.tiling
+        if info is not None and tiling is not None and info.out_tiled and \
+                tiling.spatial(self.plan.stages - 1):  # tiles of the output: join them
+            rects = tuple(info.grid.tile_rect(info.out_extent, u) for u in range(info.grid.size))
+            with torch.no_grad():
+                out = Join(rects, tiling.tile, group_key(self.plan.stages - 1))(out)
+        return out
 
     @property
     def actions(self) -> list[Action]:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import torch
 from torch import fx, nn
 
 from fxpar import meta
 from fxpar.meta import NodeCost, TensorInfo
+from fxpar.spatial.geometry import Rect
+from fxpar.spatial.ops import Halo
 from fxpar.stages import StageGraph
 from fxpar.trace import totals
+from passes.spatial_region import SpatialLayout, region_ends
 from passes.split_stages import StageAssignment, compute_nodes
+
+if TYPE_CHECKING:
+    from fxpar.program import Program
 
 
 def si(n: float, unit: str = "") -> str:
@@ -96,3 +105,54 @@ def _columns(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
     return ["  ".join(v.rjust(w) if k in right else v.ljust(w)
                       for k, (v, w) in enumerate(zip(r, widths, strict=True))).rstrip()
             for r in rows]
+
+
+def halo_table(program: Program) -> str:
+    """The spatial region and, per tile of each spatial stage, every halo with its widths
+    (top, bottom, left, right) and the bytes it receives per forward, against the minimum:
+    the cells of its window that lie in the image but outside its own tile."""
+    info = program.spatial
+    assert info is not None and program.traced is not None
+    gm = program.traced
+    tiled = sum(1 for n in gm.graph.nodes
+                if (lay := meta.find(n, SpatialLayout)) is not None and lay.tiled)
+    lines = [f"spatial region: {tiled} of {len(gm.graph.nodes)} nodes on a "
+             f"{info.grid.rows}x{info.grid.cols} tile grid "
+             f"({'tiled' if info.out_tiled else 'replicated'} model output)"]
+    lines += [f"  {reason}" for reason in region_ends(gm)]
+    rows = [("stage", "tile", "halos", "received", "minimum", "ratio", "widths of the first "
+             "halo (t b l r)")]
+    for (stage, t), module in sorted(info.tiles.items()):
+        got = need = 0
+        first = ""
+        halos = [m for m in module.modules() if isinstance(m, Halo) and not m.replicated]
+        for h in halos:
+            ex = h.exchange
+            per_cell = _halo_cell_bytes(module, h)
+            got += ex.recv_elements() * per_cell
+            image = Rect((0, ex.extent[0]), (0, ex.extent[1]))
+            inside = ex.need.intersect(image)
+            own = inside.intersect(ex.own) if inside is not None else None
+            cells = (_area(inside) - _area(own))
+            need += cells * per_cell
+            first = first or " ".join(map(str, ex.halo_widths()))
+        ratio = f"{got / need:.2f}" if need else "-"
+        rows.append((str(stage), str(t), str(len(halos)), nbytes(got), nbytes(need), ratio,
+                     first))
+    lines += _columns(rows, right={2, 3, 4, 5})
+    lines.append("(bytes per micro-batch forward; the backward sends the same amount back)")
+    return "\n".join(lines)
+
+
+def _area(r: Rect | None) -> int:
+    return 0 if r is None else r.shape[0] * r.shape[1]
+
+
+def _halo_cell_bytes(module: fx.GraphModule, halo: Halo) -> int:
+    """Bytes of one (row, col) cell of the halo's input: batch x channels x element size."""
+    for n in module.graph.nodes:
+        if n.op == "call_module" and module.get_submodule(str(n.target)) is halo:
+            info = meta.get(n.args[0], TensorInfo)
+            shape = info.shape
+            return shape[0] * shape[1] * torch.empty((), dtype=info.dtype).element_size()
+    return 0

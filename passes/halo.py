@@ -32,6 +32,7 @@ from fxpar.spatial.geometry import Exchange, Grid, Rect, avg_counts, exchange
 from fxpar.spatial.opclass import BatchNorm, Mean, Pointwise, Window, classify
 from fxpar.spatial.ops import AvgDivisor, Halo, Join, spatial_mean, sync_batch_norm
 from passes.spatial_region import SpatialLayout
+from passes.split_stages import model_output
 
 
 @dataclass
@@ -193,8 +194,8 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
     ctx = _Ctx(gm, grid, tile, key, {placeholders[i] for i in batch_inputs})
     joins: dict[fx.Node, fx.Node] = {}
     for n in list(gm.graph.nodes):
-        if n.op in ("placeholder", "get_attr", "output"):
-            continue
+        if n.op in ("placeholder", "get_attr", "output") or n.target is model_output:
+            continue  # the model's output leaves as it is: tiles for a loss on tiles
         if _tiled(n):
             op = classify(gm, n)
             if isinstance(op, Window):

@@ -18,8 +18,8 @@ import torch
 
 from fxpar.compiler import compile as fx_compile
 from fxpar.compiler import links_of
-from fxpar.plan import SCHEDULES, Plan, PlanError
-from fxpar.report import node_table, stage_table, totals_line
+from fxpar.plan import SCHEDULES, SLICES, Plan, PlanError
+from fxpar.report import halo_table, node_table, stage_table, totals_line
 from fxpar.schedule import format_grid
 from fxpar.simulate import simulate
 from fxpar.trace import TraceError, trace
@@ -45,6 +45,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--balance", default=None, help="comma-separated node counts per stage")
     g.add_argument("--microbatches", "--parts", type=int, default=1)
     g.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
+    g.add_argument("--spatial-parts", "--num-spatial-parts", type=int, default=1)
+    g.add_argument("--slice", "--slice-method", choices=SLICES, default="square")
+    g.add_argument("--spatial-stages", "--spatial-size", type=int, default=1)
     return p
 
 
@@ -61,12 +64,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         example = torch.empty(shape, dtype=dtype, device="meta")
         start = time.perf_counter()
         program = None
-        if args.stages is None:
+        if args.stages is None and args.spatial_parts == 1:
             gm = trace(model, example)
         else:
             balance = tuple(int(b) for b in args.balance.split(",")) if args.balance else None
-            plan = Plan(stages=args.stages, balance=balance, microbatches=args.microbatches,
-                        schedule=args.schedule)
+            plan = Plan(stages=args.stages or 1, balance=balance,
+                        microbatches=args.microbatches, schedule=args.schedule,
+                        spatial_parts=args.spatial_parts, slice=args.slice,
+                        spatial_stages=args.spatial_stages)
             program = fx_compile(model, plan, example)
             assert program.traced is not None
             gm = program.traced
@@ -79,7 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"nodes: {len(gm.graph.nodes)}  (traced and analysed in {took:.2f} s){per}")
     print(node_table(gm))
     print(totals_line(gm))
-    if program is not None:
+    if program is not None and program.spatial is not None:
+        print()
+        print(halo_table(program))
+    if program is not None and program.plan.stages > 1:
         print(f"\nstages: {program.plan.stages} on {program.world_size} ranks")
         print(stage_table(gm, program.graph))
         print(f"\nschedule: {program.plan.schedule}, {program.plan.microbatches} micro-batches "

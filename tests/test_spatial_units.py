@@ -1,0 +1,141 @@
+"""Spatial arithmetic and region analysis without MPI: windows checked against autograd on
+real ops, exchanges on small grids, and the errors a user can hit."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+import fxpar
+import models
+from fxpar.spatial.geometry import (
+    Grid,
+    Rect,
+    avg_counts,
+    exchange,
+    out_extent,
+    tile,
+    transposed_rows,
+    window_rows,
+)
+from fxpar.trace import trace
+from passes.spatial_region import region_ends, spatial_region
+
+
+def rows_read(op, n, out):
+    """Input rows that influence output rows [out) of a 1-D op, by autograd."""
+    x = torch.randn(1, 1, n, 1, dtype=torch.float64, requires_grad=True)
+    y = op(x)
+    y[:, :, out[0]:out[1]].sum().backward()
+    nz = (x.grad[0, 0, :, 0] != 0).nonzero().flatten().tolist()
+    return (min(nz), max(nz) + 1) if nz else None
+
+
+def test_floor_formula_tiles_cover_the_extent():
+    assert [tile(10, 3, k) for k in range(3)] == [(0, 3), (3, 6), (6, 10)]
+    assert [tile(7, 4, k) for k in range(4)] == [(0, 1), (1, 3), (3, 5), (5, 7)]
+
+
+@pytest.mark.parametrize("k, s, p, d", [(3, 1, 1, 1), (5, 2, 2, 1), (7, 2, 0, 1), (3, 1, 2, 2),
+                                        (1, 2, 0, 1), (4, 3, 1, 1)])
+def test_window_rows_match_what_a_convolution_reads(k, s, p, d):
+    n = 23
+    w = torch.rand(1, 1, k, 1, dtype=torch.float64) + 0.5  # nonzero taps
+    op = lambda x: F.conv2d(x, w, padding=(p, 0), stride=(s, 1), dilation=(d, 1))  # noqa: E731
+    o = out_extent(n, k, s, p, d)
+    assert o == op(torch.zeros(1, 1, n, 1, dtype=torch.float64)).shape[2]
+    for out in [(0, 1), (0, o), (o // 2, o), (1, max(2, o // 2))]:
+        lo, hi = window_rows(out, k, s, p, d)
+        assert rows_read(op, n, out) == (max(lo, 0), min(hi, n))
+
+
+@pytest.mark.parametrize("n, k, s, p", [(10, 2, 2, 0), (11, 3, 2, 1), (13, 3, 3, 1), (9, 2, 2, 1)])
+def test_ceil_mode_extent_matches_pytorch(n, k, s, p):
+    y = F.max_pool2d(torch.zeros(1, 1, n, n), k, s, p, ceil_mode=True)
+    assert out_extent(n, k, s, p, 1, ceil_mode=True) == y.shape[2]
+
+
+@pytest.mark.parametrize("k, s, p", [(2, 2, 0), (3, 1, 1), (3, 2, 1), (4, 2, 1)])
+def test_transposed_rows_match_what_a_transposed_convolution_reads(k, s, p):
+    n = 9
+    w = torch.rand(1, 1, k, 1, dtype=torch.float64) + 0.5
+    op = lambda x: F.conv_transpose2d(x, w, stride=(s, 1), padding=(p, 0))  # noqa: E731
+    o = op(torch.zeros(1, 1, n, 1, dtype=torch.float64)).shape[2]
+    for out in [(0, 2), (3, o), (o // 3, 2 * o // 3)]:
+        lo, hi = transposed_rows(out, k, s, p, 1)
+        assert rows_read(op, n, out) == (max(lo, 0), min(hi, n))
+
+
+@pytest.mark.parametrize("n, k, s, p, ceil, include", itertools.product(
+    [9, 10], [2, 3], [1, 2], [0, 1], [False, True], [False, True]))
+def test_avg_divisor_counts_match_pytorch(n, k, s, p, ceil, include):
+    if p > k // 2:
+        return
+    ones = torch.ones(1, 1, n, 1, dtype=torch.float64)
+    kw = dict(kernel_size=(k, 1), stride=(s, 1), padding=(p, 0), ceil_mode=ceil)
+    summed = F.avg_pool2d(ones, divisor_override=1, **kw)
+    avg = F.avg_pool2d(ones, count_include_pad=include, **kw)
+    want = (summed / avg)[0, 0, :, 0].round().long().tolist()
+    assert avg_counts(n, len(want), k, s, p, include) == want
+
+
+def test_square_exchange_includes_corners():
+    grid = Grid(2, 2)
+    ext = (8, 8)
+    needs = [Rect(*(lambda r: ((r.h[0] - 1, r.h[1] + 1), (r.w[0] - 1, r.w[1] + 1)))(
+        grid.tile_rect(ext, u))) for u in range(4)]
+    ex = exchange(grid, ext, needs, 3)
+    assert [u for u, _ in ex.recvs] == [0, 1, 2]
+    assert dict(ex.recvs)[0] == Rect((3, 4), (3, 4))  # the corner cell from the diagonal tile
+    assert ex.halo_widths() == (1, 1, 1, 1)
+
+
+def test_halo_reaches_past_the_immediate_neighbour():
+    grid = Grid(4, 1)  # tiles of 2 rows
+    ext = (8, 4)
+    needs = [Rect(window_rows(grid.tile_rect(ext, u).h, 7, 1, 3, 1), (0, 4)) for u in range(4)]
+    ex = exchange(grid, ext, needs, 1)  # rows 2:4 need rows -1:7
+    assert [u for u, _ in ex.recvs] == [0, 2, 3]
+    assert ex.need == Rect((-1, 7), (0, 4))
+
+
+def test_region_ends_at_an_op_that_cannot_be_tiled_and_says_which():
+    gm = trace(torchvision.models.vgg11(), (1, 3, 64, 64))
+    spatial_region(gm, fxpar.Plan(spatial_parts=4))
+    assert region_ends(gm) == ["region ends at 'avgpool': AdaptiveAvgPool2d 'avgpool' cannot "
+                               "run on tiles"]
+
+
+def test_region_ends_where_tiles_would_be_empty():
+    gm = trace(torchvision.models.resnet18(), (2, 3, 64, 64))
+    spatial_region(gm, fxpar.Plan(spatial_parts=4, slice="vertical"))
+    ends = region_ends(gm)
+    assert ends and "its 2x2 output is smaller than the 1x4 tile grid" in ends[0]
+
+
+def test_image_too_small_for_the_grid_is_an_error():
+    with pytest.raises(fxpar.PlanError, match="nothing in this model can run on 1x8 tiles"):
+        fxpar.compile(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Flatten()),
+                      fxpar.Plan(spatial_parts=8, slice="vertical"), (1, 3, 6, 6),
+                      loss_fn=lambda o, y: o.mean())
+
+
+def test_spatial_stage_beyond_the_region_is_an_error():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 64, 8),
+                          nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(fxpar.PlanError, match=r"spatial stage\(s\) \[1\] would have no tiled "
+                       r"work.*Use spatial_stages=1"):
+        fxpar.compile(model, fxpar.Plan(stages=3, spatial_parts=2, spatial_stages=2),
+                      (2, 3, 8, 8))
+
+
+def test_tile_programs_print_their_halos():
+    program = fxpar.compile(models.build("resnet_v2", depth=8), fxpar.Plan(spatial_parts=4),
+                            (2, 3, 32, 32))
+    tile3 = program.spatial.tiles[(0, 3)]
+    halos = [m for name, m in tile3.named_children() if name.startswith("fxpar_halo")]
+    assert halos and "halo top=1 bottom=1 left=1 right=1" in repr(halos[1])
+    assert "sync_batch_norm" in tile3.code and "spatial_mean" in tile3.code
