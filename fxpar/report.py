@@ -10,7 +10,7 @@ from torch import fx, nn
 from fxpar import meta
 from fxpar.meta import NodeCost, TensorInfo
 from fxpar.spatial.geometry import Rect
-from fxpar.spatial.ops import Halo
+from fxpar.spatial.ops import Halo, HaloOp
 from fxpar.stages import StageGraph
 from fxpar.trace import totals
 from passes.spatial_region import SpatialLayout, region_ends
@@ -125,7 +125,8 @@ def halo_table(program: Program) -> str:
     for (stage, t), module in sorted(info.tiles.items()):
         got = need = 0
         first = ""
-        halos = [m for m in module.modules() if isinstance(m, Halo) and not m.replicated]
+        halos = [m for m in module.modules()
+                 if isinstance(m, (Halo, HaloOp)) and not m.replicated]
         for h in halos:
             ex = h.exchange
             per_cell = _halo_cell_bytes(module, h)

@@ -34,6 +34,8 @@ class CaseResult:
     case: str
     passed: bool
     report: str
+    output: str = ""
+    """Everything the launch printed (shared by the cases of one launch)."""
 
     def check(self) -> None:
         """Raise AssertionError with every failing rank's traceback unless the case passed."""
@@ -84,7 +86,7 @@ def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
         errors = [(r, p.read_text()) for r, p in errors if p.exists()]
         passed = all(_marker(folder, case, r, "ok").exists() for r in range(n))
         if passed:
-            results[case] = CaseResult(case, True, "")
+            results[case] = CaseResult(case, True, "", output)
             continue
         lines = [f"--- rank {r} ---\n{text}" for r, text in errors]
         if not errors:
@@ -94,7 +96,7 @@ def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
             lines.append(f"case did not finish ({why}, {elapsed:.0f}s in); "
                          f"ranks that started it: {started}")
         lines.append(f"--- mpiexec output (last 4000 chars) ---\n{output[-4000:]}")
-        results[case] = CaseResult(case, False, "\n".join(lines))
+        results[case] = CaseResult(case, False, "\n".join(lines), output)
     shutil.rmtree(folder, ignore_errors=True)
     return results
 

@@ -30,7 +30,14 @@ from fxpar import meta
 from fxpar.meta import TensorInfo
 from fxpar.spatial.geometry import Exchange, Grid, Rect, avg_counts, exchange
 from fxpar.spatial.opclass import BatchNorm, Mean, Pointwise, Window, classify
-from fxpar.spatial.ops import AvgDivisor, Halo, Join, spatial_mean, sync_batch_norm
+from fxpar.spatial.ops import (
+    AvgDivisor,
+    Halo,
+    HaloOp,
+    Join,
+    spatial_mean,
+    sync_batch_norm,
+)
 from passes.spatial_region import SpatialLayout
 from passes.split_stages import model_output
 
@@ -92,13 +99,47 @@ def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
         if op.kind == "bilinear":  # the border rows repeat (clamp): never fill past the image
             need = need.intersect(image) or need
         needs.append(need)
-    win = _halo(ctx, n, x, needs, op.fill)
     own = ctx.grid.tile_rect(out_ext, ctx.tile)
     need = needs[ctx.tile]
     g = ctx.gm.graph
-    with g.inserting_before(n):
-        new = _tile_op(ctx, n, op, win, own, need, in_ext, out_ext)
+    if op.kind in ("conv", "maxpool", "avgpool"):
+        with g.inserting_before(n):
+            new = _fused(ctx, n, op, x, needs, own, in_ext, out_ext)
+    else:
+        win = _halo(ctx, n, x, needs, op.fill)
+        with g.inserting_before(n):
+            new = _tile_op(ctx, n, op, win, own, need, in_ext, out_ext)
     _replace(g, n, new)
+
+
+def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, needs: list[Rect], own: Rect,
+           in_ext: tuple[int, int], out_ext: tuple[int, int]) -> fx.Node:
+    """One HaloOp node: exchange + op, keeping only the tile and the halo pieces for
+    backward (see fxpar.spatial.ops._HaloOp)."""
+    g = ctx.gm.graph
+    ex = exchange(ctx.grid, in_ext, needs, ctx.tile, op.fill)
+    args: tuple[Any, ...] = (x,)
+    if op.kind == "conv":
+        m, w, b = _weights(ctx, n)
+        groups = m["groups"] if isinstance(m, dict) else m.groups
+        cfg = {"stride": op.s, "dilation": op.d, "groups": groups}
+        args = (x, w) if b is None else (x, w, b)
+    elif op.kind == "maxpool":
+        cfg = {"kernel": op.k, "stride": op.s, "dilation": op.d}
+    else:
+        override = op.attr("divisor_override")
+        plain = not op.attr("ceil_mode") and op.attr("count_include_pad")
+        cfg = {"kernel": op.k, "stride": op.s,
+               "divisor_override": override if (override or plain) else 1}
+    tag = ctx.tag()
+    name = ctx.add("halo", HaloOp(ex, ctx.key, op.kind, cfg, x in ctx.replicated, tag))
+    node = g.call_module(name, args)
+    if op.kind == "avgpool" and cfg["divisor_override"] == 1 and not op.attr("divisor_override"):
+        counts = [avg_counts(in_ext[i], out_ext[i], op.k[i], op.s[i], op.p[i],
+                             bool(op.attr("count_include_pad"))) for i in range(2)]
+        div = AvgDivisor(counts[0][own.h[0]:own.h[1]], counts[1][own.w[0]:own.w[1]])
+        node = g.call_module(ctx.add("avgdiv", div), (node,))
+    return node
 
 
 def _replace(g: fx.Graph, old: fx.Node, new: fx.Node) -> None:
@@ -130,26 +171,9 @@ def _crop(g: fx.Graph, x: fx.Node, h: tuple[int, int], w: tuple[int, int]) -> fx
 def _tile_op(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect, need: Rect,
              in_ext: tuple[int, int], out_ext: tuple[int, int]) -> fx.Node:
     g = ctx.gm.graph
-    k, s, d = op.k, op.s, op.d
+    s, d = op.s, op.d
     if op.kind == "pad":
         return win
-    if op.kind == "conv":
-        m, w, b = _weights(ctx, n)
-        groups = m["groups"] if isinstance(m, dict) else m.groups
-        return g.call_function(F.conv2d, (win, w, b, s, 0, d, groups))
-    if op.kind == "maxpool":
-        return g.call_function(F.max_pool2d, (win, k, s, 0, d))
-    if op.kind == "avgpool":
-        override = op.attr("divisor_override")
-        plain = not op.attr("ceil_mode") and op.attr("count_include_pad")
-        if override or plain:
-            return g.call_function(F.avg_pool2d, (win, k, s, 0),
-                                   {"divisor_override": override} if override else {})
-        summed = g.call_function(F.avg_pool2d, (win, k, s, 0), {"divisor_override": 1})
-        counts = [avg_counts(in_ext[i], out_ext[i], k[i], s[i], op.p[i],
-                             bool(op.attr("count_include_pad"))) for i in range(2)]
-        div = AvgDivisor(counts[0][own.h[0]:own.h[1]], counts[1][own.w[0]:own.w[1]])
-        return g.call_module(ctx.add("avgdiv", div), (summed,))
     if op.kind == "convT":
         m, w, b = _weights(ctx, n)
         full = g.call_function(F.conv_transpose2d, (win, w, b, s, 0, 0, m.groups, d))

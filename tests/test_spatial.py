@@ -37,3 +37,13 @@ def results():
 @pytest.mark.parametrize("case", CASES, ids=NAMES)
 def test_spatial_transparency(results, case):
     results[case].check()
+
+
+def test_saved_activations_per_rank_at_p4_are_at_most_030_of_one_process():
+    """ResNet-50 at 512x512, batch 1: bytes autograd saves for backward (parameters excluded)
+    on each of 4 tiles vs one process (measured with saved-tensor hooks)."""
+    case = f"{FILE.parent / 'memory_cases.py'}::case_resnet50_512_p4_saves_at_most_030"
+    res = run_cases([case], n=4, timeout=600, pythonpath=[FILE.parent.parent])[case]
+    res.check()
+    line = next(x for x in res.output.splitlines() if x.startswith("saved-for-backward"))
+    print(line)

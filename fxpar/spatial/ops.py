@@ -52,68 +52,137 @@ def _region(t: torch.Tensor, holder: Rect, inner: Rect) -> torch.Tensor:
     return t[:, :, hs, ws]
 
 
+Pieces = list[tuple[Rect, torch.Tensor]]
+
+
+def _window(x: torch.Tensor, ex: Exchange, key: str, replicated: bool, tag: int
+            ) -> tuple[torch.Tensor, Pieces]:
+    """Forward of a halo exchange: this rank's window ``ex.need`` of ``x``, and the pieces
+    received from other tiles (to rebuild the window later without communicating)."""
+    n, c = x.shape[:2]
+    out = x.new_full((n, c, *ex.need.shape), ex.fill)
+    if replicated:  # every rank holds the whole tensor: slice, no messages
+        full = Rect((0, ex.extent[0]), (0, ex.extent[1]))
+        inside = ex.need.intersect(full)
+        if inside is not None:
+            _region(out, ex.need, inside).copy_(_region(x, full, inside))
+        return out, []
+    comm = group(key)
+    reqs: list[Request] = []
+    pieces: Pieces = []
+    for src, rect in ex.recvs:
+        buf = x.new_empty((n, c, *rect.shape))
+        reqs.append(comm.irecv(buf, src, tag=tag))
+        pieces.append((rect, buf))
+    for dst, rect in ex.sends:
+        reqs.append(comm.isend(_region(x, ex.own, rect).contiguous(), dst, tag=tag))
+    local = ex.local
+    if local is not None:
+        _region(out, ex.need, local).copy_(_region(x, ex.own, local))
+    Comm.waitall(reqs)
+    for rect, buf in pieces:
+        _region(out, ex.need, rect).copy_(buf)
+    return out, pieces
+
+
+def _rebuild(x: torch.Tensor, ex: Exchange, replicated: bool, pieces: Pieces) -> torch.Tensor:
+    """The window again, from the tile and the saved pieces (no communication)."""
+    n, c = x.shape[:2]
+    out = x.new_full((n, c, *ex.need.shape), ex.fill)
+    own = Rect((0, ex.extent[0]), (0, ex.extent[1])) if replicated else ex.own
+    local = ex.need.intersect(own)
+    if local is not None:
+        _region(out, ex.need, local).copy_(_region(x, own, local))
+    for rect, buf in pieces:
+        _region(out, ex.need, rect).copy_(buf)
+    return out
+
+
+def _window_grad(g: torch.Tensor, ex: Exchange, key: str, replicated: bool, tag: int
+                 ) -> torch.Tensor:
+    """Backward of a halo exchange: the window's gradient, back on the tiles that own it."""
+    n, c = g.shape[:2]
+    if replicated:
+        full = Rect((0, ex.extent[0]), (0, ex.extent[1]))
+        gx = g.new_zeros((n, c, *ex.extent))
+        inside = ex.need.intersect(full)
+        if inside is not None:
+            _region(gx, full, inside).copy_(_region(g, ex.need, inside))
+        return gx  # a partial gradient of a replicated tensor
+    comm = group(key)
+    gx = g.new_zeros((n, c, *ex.own.shape))
+    reqs: list[Request] = []
+    bufs = []
+    for src, rect in ex.sends:  # they needed my cells: their gradients come back
+        buf = g.new_empty((n, c, *rect.shape))
+        reqs.append(comm.irecv(buf, src, tag=tag))
+        bufs.append((rect, buf))
+    for dst, rect in ex.recvs:
+        reqs.append(comm.isend(_region(g, ex.need, rect).contiguous(), dst, tag=tag))
+    local = ex.local
+    if local is not None:
+        _region(gx, ex.own, local).add_(_region(g, ex.need, local))
+    Comm.waitall(reqs)
+    for rect, buf in bufs:
+        _region(gx, ex.own, rect).add_(buf)
+    return gx
+
+
 class _Retile(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, ex: Exchange, key: str, replicated: bool,
                 tag: int) -> torch.Tensor:
         ctx.ex, ctx.key, ctx.replicated, ctx.tag = ex, key, replicated, tag
-        n, c = x.shape[:2]
-        out = x.new_full((n, c, *ex.need.shape), ex.fill)
-        if replicated:  # every rank holds the whole tensor: slice, no messages
-            full = Rect((0, ex.extent[0]), (0, ex.extent[1]))
-            inside = ex.need.intersect(full)
-            if inside is not None:
-                _region(out, ex.need, inside).copy_(_region(x, full, inside))
-            return out
-        comm = group(key)
-        reqs: list[Request] = []
-        bufs = []
-        for src, rect in ex.recvs:
-            buf = x.new_empty((n, c, *rect.shape))
-            reqs.append(comm.irecv(buf, src, tag=tag))
-            bufs.append((rect, buf))
-        for dst, rect in ex.sends:
-            reqs.append(comm.isend(_region(x, ex.own, rect).contiguous(), dst, tag=tag))
-        local = ex.local
-        if local is not None:
-            _region(out, ex.need, local).copy_(_region(x, ex.own, local))
-        Comm.waitall(reqs)
-        for rect, buf in bufs:
-            _region(out, ex.need, rect).copy_(buf)
-        return out
+        return _window(x, ex, key, replicated, tag)[0]
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor
                  ) -> tuple[torch.Tensor | None, None, None, None, None]:
-        ex: Exchange = ctx.ex
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        n, c = g.shape[:2]
-        if ctx.replicated:
-            full = Rect((0, ex.extent[0]), (0, ex.extent[1]))
-            gx = g.new_zeros((n, c, *ex.extent))
-            inside = ex.need.intersect(full)
-            if inside is not None:
-                _region(gx, full, inside).copy_(_region(g, ex.need, inside))
-            return gx, None, None, None, None  # a partial gradient of a replicated tensor
-        comm = group(ctx.key)
-        gx = g.new_zeros((n, c, *ex.own.shape))
-        reqs: list[Request] = []
-        bufs = []
-        for src, rect in ex.sends:  # they needed my cells: their gradients come back
-            buf = g.new_empty((n, c, *rect.shape))
-            reqs.append(comm.irecv(buf, src, tag=ctx.tag + 1))
-            bufs.append((rect, buf))
-        for dst, rect in ex.recvs:
-            reqs.append(comm.isend(_region(g, ex.need, rect).contiguous(), dst,
-                                   tag=ctx.tag + 1))
-        local = ex.local
-        if local is not None:
-            _region(gx, ex.own, local).add_(_region(g, ex.need, local))
-        Comm.waitall(reqs)
-        for rect, buf in bufs:
-            _region(gx, ex.own, rect).add_(buf)
-        return gx, None, None, None, None
+        return _window_grad(g, ctx.ex, ctx.key, ctx.replicated, ctx.tag + 1), None, None, \
+            None, None
+
+
+class _HaloOp(torch.autograd.Function):
+    """Halo exchange fused with the windowed op that reads it. The window (tile + halo) is
+    not kept for backward: only the tile (which the previous op saves anyway) and the small
+    received pieces are, so a tile's saved activations stay ~1/P of one device's. Convolution
+    gradients come straight from aten.convolution_backward; pooling is recomputed (cheap)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: HaloOp, *params: torch.Tensor
+                ) -> torch.Tensor:
+        window, pieces = _window(x, spec.exchange, spec.key, spec.replicated, spec.tag)
+        out = spec.compute(window, *params)
+        ctx.spec, ctx.pieces = spec, pieces
+        ctx.save_for_backward(x, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        spec: HaloOp = ctx.spec
+        x, *params = ctx.saved_tensors
+        window = _rebuild(x, spec.exchange, spec.replicated, ctx.pieces)
+        need = ctx.needs_input_grad
+        if spec.kind == "conv":
+            weight = params[0]
+            bias_sizes = [weight.shape[0]] if len(params) > 1 else None
+            gw, gwt, gb = torch.ops.aten.convolution_backward(
+                g, window, weight, bias_sizes, list(spec.cfg["stride"]), [0, 0],
+                list(spec.cfg["dilation"]), False, [0, 0], spec.cfg["groups"],
+                [need[0], need[2], len(params) > 1 and need[3]])
+            grads = [gwt, gb][:len(params)]
+        else:
+            with torch.enable_grad():
+                w = window.detach().requires_grad_(need[0])
+                out = spec.compute(w, *params)
+                gw = torch.autograd.grad(out, w, g)[0] if need[0] else None
+            grads = [None] * len(params)
+        gx = None
+        if need[0] and gw is not None:
+            gx = _window_grad(gw, spec.exchange, spec.key, spec.replicated, spec.tag + 1)
+        return (gx, None, *grads)
 
 
 class Halo(nn.Module):
@@ -208,17 +277,42 @@ def spatial_mean(x: torch.Tensor, key: str, count: int, keepdim: bool = True) ->
     return out if keepdim else out.flatten(2).squeeze(-1)
 
 
-class _GroupSum(torch.autograd.Function):
-    """Allreduce-sum of per-tile partial values; backward sums the partial gradients."""
+class _SyncBatchNorm(torch.autograd.Function):
+    """Training-mode BatchNorm with statistics over all tiles. Saves only the input and the
+    per-channel statistics (like PyTorch's own kernel), so tiles keep 1/P of the memory."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, key: str) -> torch.Tensor:
-        ctx.key = key
-        return group(key).allreduce(x.clone())
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, key: str, count: int, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sums = torch.stack([x.sum(dim=(0, 2, 3)), (x * x).sum(dim=(0, 2, 3))])
+        group(key).allreduce(sums)
+        mean = sums[0] / count
+        var = (sums[1] / count - mean * mean).clamp_min(0)
+        invstd = torch.rsqrt(var + eps)
+        shape = (1, -1, 1, 1)
+        y = (x - mean.view(shape)) * invstd.view(shape)
+        if weight is not None:
+            y = y * weight.view(shape) + bias.view(shape)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.key, ctx.count = key, count
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return group(ctx.key).allreduce(g.clone(memory_format=torch.contiguous_format)), None
+    def backward(ctx: Any, gy: torch.Tensor, _gm: Any, _gv: Any) -> tuple[Any, ...]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        shape = (1, -1, 1, 1)
+        xhat = (x - mean.view(shape)) * invstd.view(shape)
+        local = torch.stack([gy.sum(dim=(0, 2, 3)), (gy * xhat).sum(dim=(0, 2, 3))])
+        total = group(ctx.key).allreduce(local.clone())
+        scale = invstd if weight is None else invstd * weight
+        gx = (gy - total[0].view(shape) / ctx.count
+              - xhat * (total[1].view(shape) / ctx.count)) * scale.view(shape)
+        # parameter gradients stay local: the stage's ALLREDUCE sums them over the tiles
+        gw = local[1] if weight is not None and ctx.needs_input_grad[1] else None
+        gb = local[0] if weight is not None and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None, None
 
 
 def sync_batch_norm(x: torch.Tensor, bn: nn.modules.batchnorm._BatchNorm, key: str,
@@ -229,25 +323,14 @@ def sync_batch_norm(x: torch.Tensor, bn: nn.modules.batchnorm._BatchNorm, key: s
     if not (bn.training or bn.running_mean is None):
         return nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias,
                                         False, 0.0, bn.eps)
-    sums = torch.stack([x.sum(dim=(0, 2, 3)), (x * x).sum(dim=(0, 2, 3))])
-    sums = _GroupSum.apply(sums, key)
-    mean = sums[0] / count
-    var = sums[1] / count - mean * mean
+    y, mean, var = _SyncBatchNorm.apply(x, bn.weight, bn.bias, key, count, bn.eps)
     if bn.training and bn.track_running_stats and bn.running_mean is not None:
         with torch.no_grad():
             if bn.num_batches_tracked is not None:
                 bn.num_batches_tracked.add_(1)
-            if bn.momentum is None:
-                m = 1.0 / float(bn.num_batches_tracked)
-            else:
-                m = bn.momentum
-            bn.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
-            unbiased = var.detach() * (count / max(count - 1, 1))
-            bn.running_var.mul_(1 - m).add_(unbiased, alpha=m)
-    shape = (1, -1, 1, 1)
-    y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + bn.eps)
-    if bn.weight is not None:
-        y = y * bn.weight.view(shape) + bn.bias.view(shape)
+            m = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+            bn.running_mean.mul_(1 - m).add_(mean, alpha=m)
+            bn.running_var.mul_(1 - m).add_(var * (count / max(count - 1, 1)), alpha=m)
     return y
 
 
@@ -265,3 +348,35 @@ class AvgDivisor(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x / (self.rows * self.cols).to(x.dtype)
+
+
+class HaloOp(nn.Module):
+    """A windowed op on this rank's tile, halo included: ``kind`` conv (args: weight, bias),
+    maxpool or avgpool; the op itself runs with padding 0 on the exchanged window."""
+
+    def __init__(self, exchange: Exchange, key: str, kind: str, cfg: dict[str, Any],
+                 replicated: bool = False, tag: int = 10) -> None:
+        super().__init__()
+        self.exchange, self.key, self.kind, self.cfg = exchange, key, kind, cfg
+        self.replicated, self.tag = replicated, tag
+
+    def compute(self, window: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        if self.kind == "conv":
+            return nn.functional.conv2d(window, params[0], params[1] if len(params) > 1 else None,
+                                        c["stride"], 0, c["dilation"], c["groups"])
+        if self.kind == "maxpool":
+            return nn.functional.max_pool2d(window, c["kernel"], c["stride"], 0, c["dilation"])
+        return nn.functional.avg_pool2d(window, c["kernel"], c["stride"], 0,
+                                        divisor_override=c.get("divisor_override"))
+
+    def forward(self, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        return _HaloOp.apply(x, self, *params)
+
+    def extra_repr(self) -> str:
+        ex = self.exchange
+        top, bottom, left, right = ex.halo_widths()
+        src = "replicated" if self.replicated else f"tile {ex.own}"
+        return (f"{self.kind} {self.cfg} on {src} -> window {ex.need}; halo top={top} "
+                f"bottom={bottom} left={left} right={right}; recv from "
+                f"{[u for u, _ in ex.recvs]}, send to {[u for u, _ in ex.sends]}")
