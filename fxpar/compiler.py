@@ -28,19 +28,19 @@ PASSES = [("spatial_region", spatial_region), ("split_stages", split_stages),
 
 
 def tile_stages(gm: fx.GraphModule, graph: StageGraph, plan: Plan) -> SpatialInfo:
-    """Per spatial stage and tile, the rewritten stage module; what the loss needs to know."""
+    """How to build each tile's rewritten stage module; what the loss needs to know."""
     grid = Grid(*plan.tile_grid())
-    tiles = {}
-    for s in range(plan.spatial_stages):
+
+    def build(s: int, t: int) -> fx.GraphModule:
         batch = {i for i, src in enumerate(graph.inputs[s]) if src.source == "batch"}
-        for t in range(grid.size):
-            tiles[(s, t)] = tile_stage(graph.modules[s], grid, t, group_key(s), batch)
+        return tile_stage(graph.modules[s], grid, t, group_key(s), batch)
+
     packed = next(n for n in gm.graph.nodes if n.target is model_output)
     out = packed.args[0]
     lay = meta.find(out, SpatialLayout) if isinstance(out, fx.Node) else None
     out_tiled = lay is not None and lay.tiled
     shape = meta.get(out, TensorInfo).shape if out_tiled else (0, 0, 0, 0)
-    return SpatialInfo(tiles, grid, out_tiled, (shape[2], shape[3]))
+    return SpatialInfo(build, grid, plan.spatial_stages, out_tiled, (shape[2], shape[3]))
 
 
 def links_of(graph: StageGraph) -> Links:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,11 +34,26 @@ OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 class SpatialInfo:
     """The tile programs of the spatial stages, and how the model output is laid out."""
 
-    tiles: dict[tuple[int, int], fx.GraphModule]
-    """(stage, tile) -> that tile's rewritten stage module."""
+    build: Callable[[int, int], fx.GraphModule]
+    """(stage, tile) -> that tile's rewritten stage module (built on first use: a rank only
+    builds its own tile)."""
     grid: Grid
+    spatial_stages: int
     out_tiled: bool
     out_extent: tuple[int, int]
+    _cache: dict[tuple[int, int], fx.GraphModule] = field(default_factory=dict)
+
+    def tile(self, stage: int, tile: int) -> fx.GraphModule:
+        key = (stage, tile)
+        if key not in self._cache:
+            self._cache[key] = self.build(stage, tile)
+        return self._cache[key]
+
+    @property
+    def tiles(self) -> dict[tuple[int, int], fx.GraphModule]:
+        """Every tile program (builds them all)."""
+        return {(s, t): self.tile(s, t) for s in range(self.spatial_stages)
+                for t in range(self.grid.size)}
 
 # Environment variables an MPI launcher sets in every rank (MPICH/Hydra, Open MPI, Slurm).
 _LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
@@ -77,8 +92,10 @@ class Program:
             raise PlanError(f"rank {rank} is outside this plan's {self.world_size} ranks")
         stages = {}
         for r in self.rank_map.roles_of(rank):
-            tiles = self.spatial.tiles if self.spatial is not None else {}
-            stages[(r.copy, r.stage)] = tiles.get((r.stage, r.tile), self.graph.modules[r.stage])
+            if self.spatial is not None and r.stage < self.spatial.spatial_stages:
+                stages[(r.copy, r.stage)] = self.spatial.tile(r.stage, r.tile)
+            else:
+                stages[(r.copy, r.stage)] = self.graph.modules[r.stage]
         return RankProgram(self, rank, stages, comm)
 
     def local(self, comm: Comm | None = None) -> RankProgram:

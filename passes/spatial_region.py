@@ -112,12 +112,16 @@ def limit_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     stage_of = {n: n.meta["fxpar.stage"].stage for n in gm.graph.nodes if "fxpar.stage" in n.meta}
     used = set()
+    said = False
     for n in gm.graph.nodes:
         lay = meta.find(n, SpatialLayout)
         if lay is None or not lay.tiled or n.op == "placeholder":
             continue
         if stage_of.get(n, 0) >= plan.spatial_stages:
-            meta.put(n, SpatialLayout(False, "after the last spatial stage"))
+            reason = "" if said else (f"region ends at {n.name!r}: the first node after the "
+                                      f"last spatial stage ({plan.spatial_stages - 1})")
+            said = True
+            meta.put(n, SpatialLayout(False, reason))
         else:
             used.add(stage_of.get(n, 0))
     missing = sorted(set(range(plan.spatial_stages)) - used)

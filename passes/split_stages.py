@@ -13,9 +13,9 @@ when part of it was computed earlier.
 
 Policy (when ``plan.balance`` is None): each node costs ``3 * forward FLOPs`` (forward plus a
 backward of about twice that) plus ``BYTE_COST`` per output byte (memory-bound ops such as
-BatchNorm and ReLU have no FLOPs but are not free). Cut k aims at ``k/S`` of the total cost; among
-positions whose prefix cost lies within ``TOLERANCE`` of a stage's share of that aim, the one with
-the fewest bytes live across the cut wins (ties: the closest to the aim).
+BatchNorm and ReLU have no FLOPs but are not free); in a spatial stage a tiled node costs 1/P
+of that. The cuts minimise the most expensive stage; among cuts within ``TOLERANCE`` of that
+optimum, the one with the fewest bytes live across the cut wins (see ``choose_cuts``).
 """
 
 from __future__ import annotations
@@ -93,25 +93,57 @@ def cut_traffic(gm: fx.GraphModule, order: list[fx.Node]) -> list[int]:
     return traffic
 
 
-def choose_cuts(costs: list[float], traffic: list[int], stages: int) -> list[int]:
-    """Positions p_1 < ... < p_{S-1} (stage k is ``order[p_k:p_{k+1}]``), see module docstring."""
+def choose_cuts(costs: list[float], traffic: list[int], stages: int,
+                spatial_costs: list[float] | None = None, spatial_stages: int = 0) -> list[int]:
+    """Positions p_1 < ... < p_{S-1} (stage k is ``order[p_k:p_{k+1}]``).
+
+    The leading ``spatial_stages`` stages are costed with ``spatial_costs`` (their work is
+    shared by the tiles). First the smallest bottleneck T (the most expensive stage) is found
+    by bisection with greedy packing; then each cut is placed, among positions whose stage
+    cost lies within ``TOLERANCE`` of T and that leave a feasible packing for the rest, where
+    the fewest bytes cross."""
     n = len(costs)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    total = prefix[-1] or 1.0
-    share = total / stages
+    sc = spatial_costs if spatial_costs is not None else costs
+    pre = [0.0]
+    spre = [0.0]
+    for c, d in zip(costs, sc, strict=True):
+        pre.append(pre[-1] + c)
+        spre.append(spre[-1] + d)
+
+    def cost(k: int, a: int, b: int) -> float:
+        return (spre[b] - spre[a]) if k < spatial_stages else (pre[b] - pre[a])
+
+    def packs(k: int, start: int, limit: float) -> bool:
+        """Can nodes [start, n) go into stages k..S-1, each non-empty and <= limit?"""
+        for stage in range(k, stages):
+            left = stages - stage - 1
+            end = start + 1
+            if end > n - left:
+                return False
+            while end < n - left and cost(stage, start, end + 1) <= limit:
+                end += 1
+            if cost(stage, start, end) > limit:
+                return False
+            start = end
+        return start == n
+
+    lo, hi = 0.0, max(pre[n], spre[n]) + 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if packs(0, 0, mid):
+            hi = mid
+        else:
+            lo = mid
+    limit = hi * (1 + TOLERANCE)
     cuts: list[int] = []
-    lo = 1
-    for k in range(1, stages):
-        hi = n - (stages - k)  # leave at least one node for each remaining stage
-        aim = k * share
-        window = [p for p in range(lo, hi + 1) if abs(prefix[p] - aim) <= TOLERANCE * share]
-        if not window:
-            window = [min(range(lo, hi + 1), key=lambda p: abs(prefix[p] - aim))]
-        best = min(window, key=lambda p: (traffic[p], abs(prefix[p] - aim)))
+    start = 0
+    for k in range(stages - 1):
+        ends = [p for p in range(start + 1, n - (stages - k - 1) + 1)
+                if cost(k, start, p) <= limit and packs(k + 1, p, limit)]
+        near = [p for p in ends if cost(k, start, p) >= hi * (1 - TOLERANCE)] or ends
+        best = min(near, key=lambda p: (traffic[p], abs(cost(k, start, p) - hi)))
         cuts.append(best)
-        lo = best + 1
+        start = best
     return cuts
 
 
@@ -130,8 +162,10 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 f"{len(order)}")
         cuts = [sum(plan.balance[:k]) for k in range(1, s)]
     else:
-        costs = [node_cost(n, plan.spatial_parts) for n in order]
-        cuts = choose_cuts(costs, cut_traffic(gm, order), s)
+        costs = [node_cost(n) for n in order]
+        shared = [node_cost(n, plan.spatial_parts) for n in order] if plan.spatial else None
+        cuts = choose_cuts(costs, cut_traffic(gm, order), s, shared,
+                           plan.spatial_stages if plan.spatial else 0)
     bounds = [0, *cuts, len(order)]
     for k in range(s):
         for n in order[bounds[k]:bounds[k + 1]]:

@@ -1,4 +1,5 @@
-"""`make demo`: compile AmoebaNet-D for a plan and train a few steps under mpiexec."""
+"""`make demo`: a real spatial + pipeline job on 5 ranks (CPU): AmoebaNet-D at 256x256,
+stage 0 on a 2x2 tile grid (4 ranks), stage 1 on one rank, 2 micro-batches."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from fxpar.testing import mpiexec
 
 
 def main() -> int:
-    ranks = 1
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "fxpar.cli.run",
-           "models:amoebanet", "--num-layers", "3", "--num-filters", "32",
-           "--image-size", "256", "--batch-size", "4", "--steps", "5"]
-    print("$", " ".join(["mpiexec", *cmd[1:3], "fxpar-run", *cmd[6:]]), flush=True)
-    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    args = ["models:amoebanet", "--num-layers", "3", "--num-filters", "32",
+            "--image-size", "256", "--batch-size", "4", "--steps", "5",
+            "--split-size", "2", "--num-spatial-parts", "4", "--slice-method", "square",
+            "--parts", "2"]
+    cmd = [mpiexec(), "-n", "5", sys.executable, "-m", "fxpar.cli.run", *args]
+    print("$ mpiexec -n 5 fxpar-run " + " ".join(args), flush=True)
+    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 if __name__ == "__main__":
