@@ -157,13 +157,13 @@ class Comm:
         """Ranks with the same ``color`` form a new communicator (collective on all ranks)."""
         return Comm(self._c.Split(color, self.rank if key is None else key))
 
-    def group(self, ranks: Sequence[int]) -> Comm | None:
+    def group(self, ranks: Sequence[int], tag: int = 0) -> Comm | None:
         """A communicator of ``ranks`` (in that order); collective over the ranks listed only.
         None on ranks not listed."""
         if self.rank not in ranks:
             return None
         grp = self._c.Get_group().Incl(list(ranks))
-        return Comm(self._c.Create_group(grp, tag=0))
+        return Comm(self._c.Create_group(grp, tag=tag))
 
     def abort(self, code: int = 1) -> None:
         """End the whole job now (every rank), flushing this rank's output first."""

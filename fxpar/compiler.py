@@ -11,15 +11,17 @@ from torch import fx, nn
 from fxpar import meta
 from fxpar.meta import TensorInfo
 from fxpar.passdriver import run_passes
-from fxpar.plan import Plan, PlanError, RankMap
+from fxpar.plan import Plan, RankMap
 from fxpar.program import OptimizerFactory, Program, SpatialInfo
 from fxpar.runtime import LossFn
 from fxpar.schedule import Links, pipeline, place
+from fxpar.simulate import interleave
 from fxpar.spatial.geometry import Grid
 from fxpar.spatial.ops import group_key
 from fxpar.stages import StageGraph, build_stages
 from fxpar.trace import trace
 from passes.halo import tile_stage
+from passes.mirror import chunks_per_copy, stage_groups
 from passes.spatial_region import SpatialLayout, limit_region, spatial_region
 from passes.split_stages import model_output, split_stages
 
@@ -31,9 +33,9 @@ def tile_stages(gm: fx.GraphModule, graph: StageGraph, plan: Plan) -> SpatialInf
     """How to build each tile's rewritten stage module; what the loss needs to know."""
     grid = Grid(*plan.tile_grid())
 
-    def build(s: int, t: int) -> fx.GraphModule:
+    def build(s: int, t: int, copy: int = 0) -> fx.GraphModule:
         batch = {i for i, src in enumerate(graph.inputs[s]) if src.source == "batch"}
-        return tile_stage(graph.modules[s], grid, t, group_key(s), batch)
+        return tile_stage(graph.modules[s], grid, t, group_key(s, copy), batch)
 
     packed = next(n for n in gm.graph.nodes if n.target is model_output)
     out = packed.args[0]
@@ -75,9 +77,6 @@ def compile(  # noqa: A001 - the public name the design fixes
     if example_input is None:
         raise TypeError("fxpar.compile needs example_input: a batch or its shape, e.g. "
                         "(8, 3, 1024, 1024); a meta tensor avoids allocating it")
-    if plan.gems or plan.data_parallel > 1:
-        raise PlanError(f"this fxpar build runs spatial, layer and pipeline parallelism only; "
-                        f"{plan} needs GEMS/data parallelism")
     shape = tuple(example_input.shape if isinstance(example_input, torch.Tensor)
                   else example_input)
     plan.check_batch(int(shape[0]))
@@ -91,9 +90,12 @@ def compile(  # noqa: A001 - the public name the design fixes
     gm = run_passes(gm, plan, PASSES)
     graph = build_stages(gm)
     rank_map = RankMap(plan)
-    per_stage = pipeline(plan.stages, plan.microbatches, plan.schedule, links_of(graph))
-    schedule = place(per_stage, [rank_map.roles_of(r)[0].stage for r in range(plan.world_size)],
-                     [plan.group_size(s) for s in range(plan.stages)])
+    links = links_of(graph)
+    per_copy = {c: pipeline(plan.stages, chunks_per_copy(plan), plan.schedule, links, copy=c)
+                for c in range(plan.copies)}
+    roles = [[(r.copy, r.stage) for r in rank_map.roles_of(k)] for k in range(plan.world_size)]
+    sync = any(len(g) > 1 for g in stage_groups(rank_map).values())
+    schedule = place(per_copy, roles, sync, lambda queues: interleave(queues, links))
     spatial = tile_stages(gm, graph, plan) if plan.spatial else None
     return Program(plan=plan, rank_map=rank_map, graph=graph, schedule=schedule,
                    loss_fn=loss_fn, optimizer=optimizer, batch_size=int(shape[0]),

@@ -10,6 +10,7 @@ binds one rank's share of it to real parameters, an optimizer and a communicator
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -26,6 +27,8 @@ from fxpar.schedule import Action, Schedule
 from fxpar.spatial.geometry import Grid
 from fxpar.spatial.ops import Join, group_key, set_group
 from fxpar.stages import StageGraph
+from fxpar.sync import Member, StageSync
+from passes.mirror import chunks_per_copy, first_chunk, stage_groups
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 
@@ -34,9 +37,9 @@ OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 class SpatialInfo:
     """The tile programs of the spatial stages, and how the model output is laid out."""
 
-    build: Callable[[int, int], fx.GraphModule]
-    """(stage, tile) -> that tile's rewritten stage module (built on first use: a rank only
-    builds its own tile)."""
+    build: Callable[..., fx.GraphModule]
+    """(stage, tile[, copy]) -> that tile's rewritten stage module (built on first use: a rank
+    only builds its own tiles)."""
     grid: Grid
     spatial_stages: int
     out_tiled: bool
@@ -92,10 +95,14 @@ class Program:
             raise PlanError(f"rank {rank} is outside this plan's {self.world_size} ranks")
         stages = {}
         for r in self.rank_map.roles_of(rank):
-            if self.spatial is not None and r.stage < self.spatial.spatial_stages:
-                stages[(r.copy, r.stage)] = self.spatial.tile(r.stage, r.tile)
-            else:
-                stages[(r.copy, r.stage)] = self.graph.modules[r.stage]
+            spatial = self.spatial is not None and r.stage < self.spatial.spatial_stages
+            if r.copy == 0:
+                module = self.spatial.tile(r.stage, r.tile) if spatial else \
+                    self.graph.modules[r.stage]  # type: ignore[union-attr]
+            else:  # the GEMS mirror trains its own parameters (kept equal by the sync)
+                module = copy.deepcopy(self.spatial.build(r.stage, r.tile, r.copy) if spatial
+                                       else self.graph.modules[r.stage])  # type: ignore[union-attr]
+            stages[(r.copy, r.stage)] = module
         return RankProgram(self, rank, stages, comm)
 
     def local(self, comm: Comm | None = None) -> RankProgram:
@@ -128,30 +135,76 @@ class RankProgram:
         params = list(self.parameters())
         self.optimizer = program.optimizer(iter(params)) if program.optimizer else None
         rank_map, dp = program.rank_map, program.rank_map.dp_index(rank)
+        plan = program.plan
+        comms = self._communicators()
+        self.syncs = self._syncs(comms)
         self.runtime = Runtime(
             rank, program.graph, stages,
             lambda copy, stage, tile: rank_map.rank_of(dp, copy, stage, tile),
-            program.schedule, program.loss_fn, self.optimizer, comm, program.plan.microbatches,
-            self._tiling())
+            program.schedule, program.loss_fn, self.optimizer, comm, chunks_per_copy(plan),
+            self._tiling(comms),
+            chunk=lambda copy, mb: first_chunk(plan, dp, copy) + mb,
+            sync=self._sync)
 
-    def _tiling(self) -> Tiling | None:
-        """This rank's tile and tile group (a collective over all ranks: every rank calls it
-        once, in rank-program construction)."""
+    def _communicators(self) -> dict[tuple[Any, ...], Comm]:
+        """Every sub-communicator this rank is in: tile groups and stage groups. Created in
+        one global order (each group collective over its members only), so no rank waits on
+        another that is creating a different group."""
+        if self.comm is None:
+            return {}
+        rm, plan = self.program.rank_map, self.program.plan
+        groups: list[tuple[tuple[Any, ...], tuple[int, ...]]] = []
+        for s, ranks in stage_groups(rm).items():
+            groups.append((("stage", s), ranks))
+        if plan.spatial:
+            for d in range(plan.data_parallel):
+                for c in range(plan.copies):
+                    for s in range(plan.spatial_stages):
+                        groups.append((("tiles", c, s, d), rm.group(d, c, s)))
+        out = {}
+        for i, (key, ranks) in enumerate(sorted(groups)):
+            if self.rank in ranks and len(ranks) > 1:
+                sub = self.comm.group(ranks, tag=i)
+                assert sub is not None
+                out[key] = sub
+        return out
+
+    def _syncs(self, comms: dict[tuple[Any, ...], Comm]) -> list[StageSync]:
+        plan, rm = self.program.plan, self.program.rank_map
+        dp = rm.dp_index(self.rank)
+        members: dict[int, list[Member]] = {}
+        for role in rm.roles_of(self.rank):
+            members.setdefault(role.stage, []).append(
+                Member(self.stages[(role.copy, role.stage)], first_chunk(plan, dp, role.copy),
+                       chunks_per_copy(plan), counts_stats=role.tile == 0))
+        return [StageSync(ms, comms.get(("stage", s)), plan.chunks())
+                for s, ms in sorted(members.items())]
+
+    def _merge_stats(self) -> bool:
+        return self.plan.copies > 1 or self.plan.data_parallel > 1
+
+    def _sync(self) -> None:
+        for sync in self.syncs:
+            sync.grads()
+            if self._merge_stats():
+                sync.stats()
+
+    def _tiling(self, comms: dict[tuple[Any, ...], Comm]) -> Tiling | None:
+        """This rank's tile and tile group(s)."""
         info = self.program.spatial
         if info is None:
             return None
-        role = self.program.rank_map.roles_of(self.rank)[0]
-        plan = self.program.plan
-        group = None
-        if self.comm is not None:
-            spatial = role.stage < plan.spatial_stages
-            color = (self.program.rank_map.dp_index(self.rank) * plan.stages + role.stage
-                     if spatial else plan.world_size + self.rank)
-            group = self.comm.split(color, key=role.tile)
-            if spatial:
-                set_group(group_key(role.stage, role.copy), group)
-        return Tiling(info.grid, role.tile, plan.spatial_stages, info.out_tiled,
-                      info.out_extent, group)
+        rm, plan = self.program.rank_map, self.program.plan
+        dp = rm.dp_index(self.rank)
+        roles = rm.roles_of(self.rank)
+        for role in roles:
+            if role.stage < plan.spatial_stages:
+                set_group(group_key(role.stage, role.copy),
+                          comms.get(("tiles", role.copy, role.stage, dp)))
+        role = roles[0]
+        return Tiling(info.grid, {r.copy: r.tile for r in roles}, plan.spatial_stages,
+                      info.out_tiled, info.out_extent,
+                      comms.get(("tiles", role.copy, role.stage, dp)))
 
     @property
     def plan(self) -> Plan:
@@ -197,6 +250,9 @@ class RankProgram:
             p.grad = None
         state = StepState(list(torch.tensor_split(x, n)), list(_split_target(y, n)),
                           scale=1.0 / n)
+        if self._merge_stats():
+            for sync in self.syncs:
+                sync.begin()
         self.runtime.run(state)
         total = sum(state.losses, torch.zeros((), dtype=torch.float64))
         if self.comm is not None and self.comm.size > 1:
@@ -221,19 +277,26 @@ class RankProgram:
                    if a.kind in ("F", "SEND_F", "RECV_F")]
         with torch.no_grad():
             self.runtime.run(state, actions)
-        if not state.results:
-            return None
-        outs = [state.results[i] for i in sorted(state.results)]
-        if not isinstance(outs[0], torch.Tensor):
-            return outs
-        out = torch.cat(outs)
+        results = dict(state.results)
         info, tiling = self.program.spatial, self.runtime.tiling
-        if info is not None and tiling is not None and info.out_tiled and \
-                tiling.spatial(self.plan.stages - 1):  # tiles of the output: join them
+        last = self.plan.stages - 1
+        if info is not None and tiling is not None and info.out_tiled and tiling.spatial(last):
             rects = tuple(info.grid.tile_rect(info.out_extent, u) for u in range(info.grid.size))
-            with torch.no_grad():
-                out = Join(rects, tiling.tile, group_key(self.plan.stages - 1))(out)
-        return out
+            per_copy = chunks_per_copy(self.plan)
+            with torch.no_grad():  # tiles of the output: join them, per model copy
+                for chunk in sorted(results):
+                    c = (chunk // per_copy) % self.plan.copies
+                    results[chunk] = Join(rects, tiling.tiles[c], group_key(last, c))(
+                        results[chunk])
+        if self.comm is not None and (self.plan.copies > 1 or self.plan.data_parallel > 1):
+            merged: dict[int, Any] = {}  # each copy / replica has its own chunks' outputs
+            for part in self.comm.allgather_object(results):
+                merged.update(part)
+            results = merged if state.results else {}
+        if not results:
+            return None
+        outs = [results[i] for i in sorted(results)]
+        return torch.cat(outs) if isinstance(outs[0], torch.Tensor) else outs
 
     @property
     def actions(self) -> list[Action]:
@@ -241,10 +304,12 @@ class RankProgram:
         return self.program.schedule[self.rank]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers under the original model's names."""
+        """This rank's parameters and buffers under the original model's names (of its first
+        model copy: GEMS copies are kept identical)."""
         out: dict[str, torch.Tensor] = {}
-        for m in self._modules():
-            out.update(m.state_dict())
+        for (copy_, _stage), m in self.stages.items():
+            if copy_ == 0:
+                out.update(m.state_dict())
         return {k: out[k] for k in sorted(out, key=self._order)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -49,7 +49,8 @@ class Tiling:
     """This rank's place in the spatial layout (absent for non-spatial plans)."""
 
     grid: Grid
-    tile: int
+    tiles: dict[int, int]
+    """copy -> this rank's tile in that copy's spatial stage."""
     spatial_stages: int
     out_tiled: bool
     """The model output is tiled (a loss on tiles) rather than replicated."""
@@ -59,8 +60,8 @@ class Tiling:
     def spatial(self, stage: int) -> bool:
         return stage < self.spatial_stages
 
-    def rect(self, extent: tuple[int, int], tile: int | None = None) -> Rect:
-        return self.grid.tile_rect(extent, self.tile if tile is None else tile)
+    def rect(self, extent: tuple[int, int], tile: int) -> Rect:
+        return self.grid.tile_rect(extent, tile)
 
 
 @dataclass
@@ -100,7 +101,12 @@ class Runtime:
     optimizer: torch.optim.Optimizer | None
     comm: Comm | None
     microbatches: int
+    """Micro-batches each model copy runs per step (GEMS rounds included)."""
     tiling: Tiling | None = None
+    chunk: Callable[[int, int], int] = lambda copy, mb: mb
+    """(copy, micro-batch) -> index of the global batch chunk it trains on."""
+    sync: Callable[[], None] = lambda: None
+    """Sums gradients over the stage groups (the ALLREDUCE action)."""
 
     def run(self, state: StepState, actions: list[Action] | None = None) -> None:
         """The loop: every action of this rank, in order."""
@@ -152,7 +158,7 @@ class Runtime:
         ins: list[torch.Tensor] = []
         for src in self.graph.inputs[a.stage]:
             if src.source == "batch":
-                ins.append(st.x_chunks[a.mb])
+                ins.append(st.x_chunks[self.chunk(a.copy, a.mb)])
             else:
                 buf = received[src.index]
                 if st.train and buf.is_floating_point():
@@ -167,10 +173,10 @@ class Runtime:
         if a.stage == len(self.graph.modules) - 1:
             result = outs[0]
             if not st.train:
-                st.results[a.mb] = result
+                st.results[self.chunk(a.copy, a.mb)] = result
                 return
-            loss = self.loss_fn(result, self._target(a, st.y_chunks[a.mb]))
-            scale = st.scale * self._loss_share(a.stage)
+            loss = self.loss_fn(result, self._target(a, st.y_chunks[self.chunk(a.copy, a.mb)]))
+            scale = st.scale * self._loss_share(a)
             if scale != 1.0:
                 loss = loss * scale
             st.losses.append(loss.detach())
@@ -201,36 +207,28 @@ class Runtime:
             self.optimizer.step()
 
     def _allreduce(self, a: Action, st: StepState) -> None:
-        """Sum this stage's gradients over its tile group (every parameter: see
-        fxpar.spatial.ops for why one rule covers tiled and replicated parts)."""
-        assert self.tiling is not None and self.tiling.group is not None
-        grads = [p.grad for m in self.stages.values() for p in m.parameters()
-                 if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.tiling.group.allreduce(flat)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+        """Sum gradients over each stage group (tiles, GEMS copies, replicas)."""
+        Comm.waitall(st.sends)
+        st.sends.clear()
+        self.sync()
 
     # -- spatial helpers ----------------------------------------------------------------------
-    def _loss_share(self, stage: int) -> float:
+    def _loss_share(self, a: Action) -> float:
         """The part of the loss this rank's output carries: 1/P of a replicated output (each
         tile computes it), the tile's pixel fraction of a tiled one."""
         tl = self.tiling
-        if tl is None or not tl.spatial(stage):
+        if tl is None or not tl.spatial(a.stage):
             return 1.0
         if not tl.out_tiled:
             return 1.0 / tl.grid.size
-        r = tl.rect(tl.out_extent)
+        r = tl.rect(tl.out_extent, self._my_tile(a))
         return (r.shape[0] * r.shape[1]) / (tl.out_extent[0] * tl.out_extent[1])
 
     def _target(self, a: Action, y: Any) -> Any:
         tl = self.tiling
         if tl is None or not tl.spatial(a.stage) or not tl.out_tiled:
             return y
-        r = tl.rect(tl.out_extent)
+        r = tl.rect(tl.out_extent, self._my_tile(a))
         return y[..., r.h[0]:r.h[1], r.w[0]:r.w[1]]
 
     def _kind(self, t: Transfer) -> str:
@@ -243,7 +241,10 @@ class Runtime:
             return "tile"
         return "gather" if t.tiled else "replicated"
 
-    def _tile_shape(self, t: Transfer, tile: int | None = None) -> tuple[int, ...]:
+    def _my_tile(self, a: Action) -> int:
+        return self.tiling.tiles.get(a.copy, 0) if self.tiling is not None else 0
+
+    def _tile_shape(self, t: Transfer, tile: int) -> tuple[int, ...]:
         assert self.tiling is not None
         r = self.tiling.rect((t.shape[2], t.shape[3]), tile)
         return (*t.shape[:2], *r.shape)
@@ -263,8 +264,8 @@ class Runtime:
                     posted.append(Posted(t, buf, req,
                                          self.tiling.rect((t.shape[2], t.shape[3]), u)))
                 continue
-            tile = self.tiling.tile if kind == "tile" else 0  # type: ignore[union-attr]
-            shape = self._tile_shape(t) if kind == "tile" and t.tiled else t.shape
+            tile = self._my_tile(a) if kind == "tile" else 0
+            shape = self._tile_shape(t, tile) if kind == "tile" and t.tiled else t.shape
             buf = torch.empty(shape, dtype=t.dtype)
             posted.append(Posted(t, buf, comm.irecv(buf, self.peer(a.copy, t.src, tile),
                                                     tag(t))))
@@ -273,7 +274,7 @@ class Runtime:
     def _send_f(self, a: Action, st: StepState) -> None:
         comm = self._assert_comm()
         outs = st.outputs[(a.copy, a.stage, a.mb)]
-        my_tile = self.tiling.tile if self.tiling is not None else 0
+        my_tile = self._my_tile(a)
         for t in self.graph.sends(a.stage):
             kind = self._kind(t)
             if kind == "replicated" and my_tile != 0:
@@ -288,12 +289,13 @@ class Runtime:
     def _recv_b(self, a: Action, st: StepState) -> None:
         comm = self._assert_comm()
         posted: list[Posted] = []
-        my_tile = self.tiling.tile if self.tiling is not None else 0
+        my_tile = self._my_tile(a)
         for t in self.graph.sends(a.stage):
             kind = self._kind(t)
             if not t.grad or (kind == "replicated" and my_tile != 0):
                 continue  # a replicated value's gradient goes to tile 0 only (partial: 0 here)
-            shape = self._tile_shape(t) if kind in ("gather", "tile") and t.tiled else t.shape
+            shape = self._tile_shape(t, my_tile) if kind in ("gather", "tile") and t.tiled \
+                else t.shape
             buf = torch.empty(shape, dtype=t.dtype)
             dst_tile = my_tile if kind == "tile" else 0
             posted.append(Posted(t, buf, comm.irecv(buf, self.peer(a.copy, t.dst, dst_tile),
@@ -318,8 +320,8 @@ class Runtime:
                                                self.peer(a.copy, t.src, u),
                                                self._tag(t, a, True)))
                 continue
-            shape = self._tile_shape(t) if kind == "tile" and t.tiled else t.shape
+            src_tile = self._my_tile(a) if kind == "tile" else 0
+            shape = self._tile_shape(t, src_tile) if kind == "tile" and t.tiled else t.shape
             g = torch.zeros(shape, dtype=t.dtype) if g is None else g
-            src_tile = self.tiling.tile if kind == "tile" else 0  # type: ignore[union-attr]
             st.sends.append(comm.isend(g, self.peer(a.copy, t.src, src_tile),
                                        self._tag(t, a, True)))

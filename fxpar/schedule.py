@@ -15,6 +15,7 @@ runtime is one loop over a rank's list.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "STEP")
@@ -122,24 +123,24 @@ def add_comm(order: list[Action], links: Links, grads: bool = True) -> list[Acti
 
 
 def pipeline(stages: int, microbatches: int, name: str = "gpipe",
-             links: Links | None = None) -> Schedule:
+             links: Links | None = None, copy: int = 0) -> Schedule:
     """Per stage (keyed by stage; with one rank per stage, also by rank): compute order,
     communication, and a final STEP."""
-    order = GENERATORS[name](stages, microbatches)
+    order = GENERATORS[name](stages, microbatches, copy)
     links = links if links is not None else chain(stages)
     return {s: [*add_comm(order[s], links), Action("STEP")] for s in range(stages)}
 
 
-def place(per_stage: Schedule, stage_of_rank: list[int], group_sizes: list[int]) -> Schedule:
-    """Per rank: its stage's list; ranks of a stage group (P > 1 tiles) sum their gradients
-    over the group (ALLREDUCE) before the step."""
-    out: Schedule = {}
-    for rank, stage in enumerate(stage_of_rank):
-        acts = list(per_stage[stage])
-        if group_sizes[stage] > 1:
-            acts.insert(len(acts) - 1, Action("ALLREDUCE", stage))
-        out[rank] = acts
-    return out
+def place(per_copy: dict[int, Schedule], roles: list[list[tuple[int, int]]], sync: bool,
+          merge: Callable[[dict[int, list[list[Action]]]], Schedule]) -> Schedule:
+    """Per rank: the lists of the (copy, stage) roles it plays, merged by ``merge`` (one role:
+    as is); then ALLREDUCE (gradient sum over each stage's tiles, copies and replicas) when
+    ``sync``; then STEP."""
+    queues = {r: [per_copy[c][s][:-1] for c, s in rs] for r, rs in enumerate(roles)}
+    merged = merge(queues) if any(len(q) > 1 for q in queues.values()) else \
+        {r: q[0] for r, q in queues.items()}
+    tail = [Action("ALLREDUCE")] if sync else []
+    return {r: [*acts, *tail, Action("STEP")] for r, acts in merged.items()}
 
 
 def single_rank(microbatches: int = 1) -> Schedule:

@@ -109,3 +109,49 @@ def validate(schedule: Schedule, links: Links) -> None:
             for src in senders.get(a.stage, set()):
                 if Action("RECV_B", src, a.mb, a.copy) not in counts:
                     raise ScheduleError(f"{a} has no matching {src}RECV_B{a.mb}")
+
+
+def interleave(queues: dict[int, list[list[Action]]], links: Links, f_cost: float = 1.0,
+               b_cost: float = 2.0) -> Schedule:
+    """Merge each rank's several action lists (GEMS: one per model copy) into one order by list
+    scheduling: each rank runs, of its lists' next actions, the one that can start earliest.
+    The result comes with a deadlock-free execution as witness (this simulation)."""
+    senders = _senders(links)
+    sent: dict[Action, float] = {}
+    clock = {r: 0.0 for r in queues}
+    pcs = {r: [0] * len(qs) for r, qs in queues.items()}
+    out: dict[int, list[Action]] = {r: [] for r in queues}
+
+    def ready(r: int, a: Action) -> float | None:
+        if a.kind not in _MATCH:
+            return clock[r]
+        peers = senders.get(a.stage, set()) if a.kind == "RECV_F" else links.get(a.stage, set())
+        keys = [Action(_MATCH[a.kind], p, a.mb, a.copy) for p in peers]
+        if not all(k in sent for k in keys):
+            return None
+        return max([clock[r], *(sent[k] for k in keys)])
+
+    remaining = sum(len(q) for qs in queues.values() for q in qs)
+    while remaining:
+        progress = False
+        for r, qs in queues.items():
+            options = [(t, i) for i, q in enumerate(qs) if pcs[r][i] < len(q)
+                       if (t := ready(r, q[pcs[r][i]])) is not None]
+            if not options:
+                continue
+            t, i = min(options)
+            a = qs[i][pcs[r][i]]
+            clock[r] = t
+            if a.kind in ("SEND_F", "SEND_B"):
+                sent[a] = clock[r]
+            elif a.kind in ("F", "B"):
+                clock[r] += f_cost if a.kind == "F" else b_cost
+            out[r].append(a)
+            pcs[r][i] += 1
+            remaining -= 1
+            progress = True
+        if not progress:
+            stuck = {r: [str(q[pcs[r][i]]) for i, q in enumerate(qs) if pcs[r][i] < len(q)]
+                     for r, qs in queues.items()}
+            raise ScheduleError(f"deadlock while merging copies: ranks wait at {stuck}")
+    return out

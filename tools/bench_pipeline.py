@@ -19,16 +19,20 @@ line with the per-step wall times.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
 import re
 import resource
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -100,7 +104,8 @@ def run_fxpar(args: argparse.Namespace) -> dict[str, Any]:
     n_params = sum(p.numel() for p in rp.parameters())
     times = _timed(lambda: rp.train_step(x, y), args.warmup, args.steps, comm.Barrier)
     return {"times": times, "stage_params": comm.gather(n_params), "rank": comm.Get_rank(),
-            "balance": list(plan.balance or ()), "transport":
+            "balance": list(plan.balance or ()), "fxpar": str(Path(fxpar.__file__).parent),
+            "transport":
             "MPI: " + " ".join(MPI.Get_library_version().split()[:3])}
 
 
@@ -219,20 +224,18 @@ def wait_quiet(args: argparse.Namespace) -> float:
 def launch(system: str, args: argparse.Namespace) -> dict[str, Any]:
     """One fresh worker (2 ranks under mpiexec for the pipelined systems); its BENCH record,
     with ``foreign``: the cores other processes used meanwhile (busy CPU minus our own)."""
-    from fxpar.testing import mpiexec
-
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system,
            "--schedule", args.schedule, "--microbatches", str(args.microbatches),
            "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--threads", str(args.threads)]
     if system in PIPELINED:
-        cmd = [mpiexec(), "-n", "2", *cmd]
+        cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", "2", *cmd]  # mpich wheel
     env = {**os.environ, **dict.fromkeys(THREAD_VARS, str(args.threads)),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(args.src), os.environ.get("PYTHONPATH", "")])}
     t0, b0, c0 = time.time(), _cpu_busy(), _children_cpu()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, start_new_session=True)
+                            text=True, cwd=args.src, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -288,14 +291,24 @@ def machine() -> dict[str, Any]:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
-def revision() -> str:
-    """The fxpar commit measured, marked ``+dirty`` when the working tree differs from it."""
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
+def _git(*a: str) -> str:
+    return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, check=True).stdout.decode()
 
+
+def snapshot(rev: str) -> tuple[Path, str]:
+    """``rev`` exported to a temporary folder (``git archive``; the repository is only read),
+    so that edits to the working tree during a long run cannot change what is measured."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-fxpar-"))
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True)
+    tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(folder, filter="data")
+    return folder, _git("rev-parse", "--short", rev).strip()
+
+
+def revision() -> str:
+    """The working tree's commit, marked ``+dirty`` when tracked files differ from it."""
     dirty = any(not ln.endswith(("docs/", "bench_pipeline.py"))
-                for ln in git("status", "--porcelain", "--untracked-files=no").splitlines())
-    return git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if dirty else "")
+                for ln in _git("status", "--porcelain", "--untracked-files=no").splitlines())
+    return _git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if dirty else "")
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -364,10 +377,11 @@ def driver(args: argparse.Namespace) -> None:
     """Rounds x schedules x systems, a fresh process per measurement (no state, cache or
     allocator warmth carries over from one system to the next)."""
     systems = ["fxpar", "torch", "single", "single-mb"]
+    args.src, rev = snapshot(args.rev) if args.rev else (ROOT, revision())
     schedules = args.schedules.split(",")
     res: dict[str, Any] = {"command": " ".join(["python", *sys.argv]), "args": vars(args),
                            "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-                           "revision": revision(),
+                           "revision": rev,
                            "results": {}, "raw": {}, "transport": {}, "stage_params": {}}
     raw: dict[str, list[dict[str, Any]]] = {s: [] for s in schedules}
     t_start = time.time()
@@ -385,13 +399,16 @@ def driver(args: argparse.Namespace) -> None:
                 res["transport"][system] = rec["transport"]
                 res["stage_params"][system] = rec["stage_params"]
                 res["balance"] = rec.get("balance", res.get("balance"))
+                res["fxpar_imported_from"] = rec.get("fxpar", res.get("fxpar_imported_from"))
                 print(f"round {r + 1}/{args.rounds} {sched:5} {system:9} "
                       f"{BATCH / statistics.median(rec['times']):6.1f} img/s  "
                       f"steps {[round(t, 3) for t in rec['times']]}  "
                       f"foreign {rec['foreign']:.2f}  "
                       f"({time.time() - t_start:.0f} s)", flush=True)
             raw[sched].append(rnd)
-    args.schedule = None
+    if args.rev:
+        shutil.rmtree(args.src)
+    args.schedule, args.src = None, str(args.src)
     if res["stage_params"]["fxpar"] != res["stage_params"]["torch"]:
         print("WARNING: stage splits differ:", res["stage_params"], flush=True)
     for sched in schedules:
@@ -419,6 +436,8 @@ def main() -> None:
     p.add_argument("--retries", type=int, default=3)
     p.add_argument("--quiet-wait", type=float, default=300.0,
                    help="seconds to wait for a quiet machine before each launch")
+    p.add_argument("--rev", default="", help="measure this commit (git archive to a temporary "
+                   "folder) instead of the working tree")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     p.add_argument("--worker", choices=["fxpar", "torch", "single", "single-mb"])
     p.add_argument("--schedule", default="gpipe", help=argparse.SUPPRESS)

@@ -1,0 +1,64 @@
+"""GEMS (bidirectional), data parallelism and their combinations with SP/LP/PP under a real
+mpiexec (6 ranks, oversubscribed), exact vs one process with gradient accumulation over the
+same chunks: loss, every gradient and parameter on every rank and in both copies after 2 SGD
+steps, BatchNorm running statistics."""
+
+from pathlib import Path
+
+import pytest
+
+from fxpar.plan import Plan
+from fxpar.schedule import Action, pipeline
+from fxpar.simulate import ScheduleError, interleave, simulate
+from fxpar.testing import run_cases
+
+FILE = Path(__file__).parent / "cases" / "gems_dp_cases.py"
+NAMES = [line.split("(")[0][4:] for line in FILE.read_text().splitlines()
+         if line.startswith("def case_")]
+CASES = [f"{FILE}::{n}" for n in NAMES]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cases(CASES, n=6, timeout=1200, pythonpath=[FILE.parent.parent])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", CASES, ids=NAMES)
+def test_gems_dp_transparency(results, case):
+    results[case].check()
+
+
+def _gems_queues(stages: int, m: int, name: str) -> dict[int, list[list[Action]]]:
+    copies = [pipeline(stages, m, name, copy=c) for c in range(2)]
+    return {r: [copies[0][r][:-1], copies[1][stages - 1 - r][:-1]] for r in range(stages)}
+
+
+@pytest.mark.parametrize("stages, m, name", [(2, 1, "gpipe"), (3, 2, "1f1b"), (4, 4, "gpipe")])
+def test_gems_merge_is_deadlock_free_and_fills_bubbles(stages, m, name):
+    from fxpar.schedule import chain
+
+    links = chain(stages)
+    merged = interleave(_gems_queues(stages, m, name), links)
+    both = simulate(merged, links)
+    one = simulate(pipeline(stages, m, name), links)
+    # two copies' work in less than twice one copy's time: each fills the other's bubble
+    assert both.makespan < 2 * one.makespan
+    assert both.bubble < one.bubble
+
+
+def test_gems_merge_reports_an_impossible_order():
+    queues = {0: [[Action("RECV_F", 0, 0)]], 1: [[Action("RECV_F", 1, 0)]]}
+    with pytest.raises(ScheduleError, match="deadlock while merging copies"):
+        interleave(queues, {0: {1}, 1: {0}})
+
+
+def test_rank_map_of_a_full_5d_plan():
+    plan = Plan(stages=2, spatial_parts=2, gems=True, data_parallel=2, microbatches=2)
+    assert plan.world_size == 6 and plan.chunks() == 8
+    from fxpar.plan import RankMap
+    from passes.mirror import first_chunk, stage_groups
+
+    rm = RankMap(plan)
+    assert stage_groups(rm) == {0: (0, 1, 2, 3, 4, 5), 1: (0, 2, 3, 5)}
+    assert [first_chunk(plan, d, c) for d in range(2) for c in range(2)] == [0, 2, 4, 6]
