@@ -157,3 +157,11 @@ def _halo_cell_bytes(module: fx.GraphModule, halo: Halo) -> int:
             shape = info.shape
             return shape[0] * shape[1] * torch.empty((), dtype=info.dtype).element_size()
     return 0
+
+
+def rank_table(program: Program) -> str:
+    """rank -> data-parallel replica, model copy, stage and tile, one row per role."""
+    rows = [("rank", "dp", "copy", "stage", "tile")]
+    for row in program.rank_map.describe():
+        rows.append(tuple(str(row[k]) for k in ("rank", "dp", "copy", "stage", "tile")))
+    return "\n".join(_columns(rows, right={0, 1, 2, 3, 4}))

@@ -19,7 +19,7 @@ import torch
 from fxpar.compiler import compile as fx_compile
 from fxpar.compiler import links_of
 from fxpar.plan import SCHEDULES, SLICES, Plan, PlanError
-from fxpar.report import halo_table, node_table, stage_table, totals_line
+from fxpar.report import halo_table, node_table, rank_table, stage_table, totals_line
 from fxpar.schedule import format_grid
 from fxpar.simulate import simulate
 from fxpar.trace import TraceError, trace
@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--spatial-parts", "--num-spatial-parts", type=int, default=1)
     g.add_argument("--slice", "--slice-method", choices=SLICES, default="square")
     g.add_argument("--spatial-stages", "--spatial-size", type=int, default=1)
+    g.add_argument("--gems", action="store_true", help="bidirectional GEMS mirror copy")
+    g.add_argument("--times", "--gems-times", type=int, default=1)
+    g.add_argument("--data-parallel", "--local-DP", type=int, default=1)
     return p
 
 
@@ -64,14 +67,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         example = torch.empty(shape, dtype=dtype, device="meta")
         start = time.perf_counter()
         program = None
-        if args.stages is None and args.spatial_parts == 1:
+        if args.stages is None and args.spatial_parts == 1 and not args.gems and \
+                args.data_parallel == 1:
             gm = trace(model, example)
         else:
             balance = tuple(int(b) for b in args.balance.split(",")) if args.balance else None
             plan = Plan(stages=args.stages or 1, balance=balance,
                         microbatches=args.microbatches, schedule=args.schedule,
                         spatial_parts=args.spatial_parts, slice=args.slice,
-                        spatial_stages=args.spatial_stages)
+                        spatial_stages=args.spatial_stages, gems=args.gems,
+                        gems_times=args.times, data_parallel=args.data_parallel)
             program = fx_compile(model, plan, example)
             assert program.traced is not None
             gm = program.traced
@@ -87,14 +92,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if program is not None and program.spatial is not None:
         print()
         print(halo_table(program))
+    if program is not None and program.world_size > 1:
+        print(f"\nrank map ({program.world_size} ranks):")
+        print(rank_table(program))
     if program is not None and program.plan.stages > 1:
         print(f"\nstages: {program.plan.stages} on {program.world_size} ranks")
         print(stage_table(gm, program.graph))
-        print(f"\nschedule: {program.plan.schedule}, {program.plan.microbatches} micro-batches "
-              f"(one training step, step x rank)")
+    if program is not None and (program.plan.stages > 1 or program.plan.gems):
+        print(f"\nschedule: {program.plan.schedule}, {program.plan.microbatches} micro-batches"
+              f"{', GEMS x2 copies' if plan.gems else ''} (one training step, step x rank)")
         print(format_grid(program.schedule))
         sim = simulate(program.schedule, links_of(program.graph))
-        print(f"simulated bubble (F=1, B=2 ticks): {sim.bubble:.1%}; formula (p-1)/(m+p-1) = "
+        print(f"simulated bubble (F=1, B=2 ticks): {sim.bubble:.1%}; one copy's formula "
+              f"(p-1)/(m+p-1) = "
               f"{(plan.stages - 1) / (plan.microbatches + plan.stages - 1):.1%}")
     return 0
 
