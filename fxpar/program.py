@@ -250,8 +250,9 @@ class RankProgram:
             p.grad = None
         state = StepState(list(torch.tensor_split(x, n)), list(_split_target(y, n)),
                           scale=1.0 / n)
-        if self._merge_stats():
-            for sync in self.syncs:
+        for sync in self.syncs:
+            sync.reset()
+            if self._merge_stats():
                 sync.begin()
         self.runtime.run(state)
         total = sum(state.losses, torch.zeros((), dtype=torch.float64))

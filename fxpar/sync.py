@@ -4,6 +4,14 @@ A *stage group* is every rank that holds one stage: its tiles, both GEMS copies,
 data-parallel replica (passes.mirror.stage_groups). Gradients are summed over it (each part
 already carries its 1/chunks share of the loss), so every copy applies the same update.
 
+Overlap: parameters are cut into buckets of about ``BUCKET_BYTES`` in reverse order (the order
+backward produces them). A post-accumulate-grad hook counts each parameter's accumulations;
+once every parameter of a bucket has received its last one of the step (one per micro-batch
+of each copy on this rank), the bucket's sum starts (nonblocking allreduce) while backward goes
+on. Buckets start strictly in index order, so every rank issues the same collectives in the
+same order; the ALLREDUCE action waits for them (and starts any that never filled, e.g. with
+unused parameters).
+
 BatchNorm running statistics: one device would update them once per chunk, in chunk order
 (the reference is gradient accumulation over the chunks). A copy that ran chunks
 [j0, j0 + m) of K starting from r0 holds r = a^m r0 + delta with a = 1 - momentum; the reference
@@ -13,12 +21,18 @@ is a^K r0 + sum over copies of a^(K - j0 - m) delta. Each stage group sums the w
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx, nn
 
 from fxpar.comm import Comm
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 @dataclass
@@ -35,6 +49,19 @@ class Member:
     the same global statistics)."""
 
 
+BUCKET_BYTES = 4 * 2**20
+
+# id(parameter) -> (its newest StageSync, slot); entries leave with their parameter. (Keyed
+# by id: tensors compare elementwise, so they cannot be dictionary keys.)
+_ROUTE: dict[int, tuple[StageSync, int]] = {}
+
+
+def _route(p: nn.Parameter) -> None:
+    owner = _ROUTE.get(id(p))
+    if owner is not None:
+        owner[0]._ready(owner[1])
+
+
 class StageSync:
     """Sums one stage's gradients (and merges its BN statistics) over its stage group."""
 
@@ -43,30 +70,80 @@ class StageSync:
         self.comm = comm
         self.chunks = chunks
         self._start: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = []
+        # position i: the i-th parameter of every member (the copies have the same layout)
+        per_member = [list(m.module.parameters()) for m in members]
+        self.slots = list(zip(*per_member, strict=True))
+        self.buckets = self._buckets()
+        self.expected = sum(m.count for m in members)  # accumulations per slot per step
+        self.seen = [0] * len(self.slots)
+        self.pending: list[tuple[torch.Tensor, Any]] = []
+        self.next_bucket = 0
+        self.early = 0
+        """Buckets of the last step whose sum started during backward (overlapped)."""
+        if comm is not None and comm.size > 1:
+            for i, slot in enumerate(self.slots):
+                for p in slot:
+                    if id(p) not in _ROUTE:  # one hook per parameter, routed to its newest owner
+                        p.register_post_accumulate_grad_hook(_route)
+                        weakref.finalize(p, _ROUTE.pop, id(p), None)
+                    _ROUTE[id(p)] = (self, i)
 
-    def _params(self, m: Member) -> list[nn.Parameter]:
-        return [p for p in m.module.parameters()]
+    def _buckets(self) -> list[list[int]]:
+        """Slot indices in reverse order, cut into buckets of about BUCKET_BYTES."""
+        out: list[list[int]] = [[]]
+        size = 0
+        for i in reversed(range(len(self.slots))):
+            p = self.slots[i][0]
+            if out[-1] and size + p.numel() * p.element_size() > BUCKET_BYTES:
+                out.append([])
+                size = 0
+            out[-1].append(i)
+            size += p.numel() * p.element_size()
+        return [b for b in out if b]
+
+    def reset(self) -> None:
+        """Start of a step: nothing accumulated, nothing in flight."""
+        self.early = 0
+        self.seen = [0] * len(self.slots)
+        self.pending = []
+        self.next_bucket = 0
+
+    def _ready(self, i: int) -> None:
+        self.seen[i] += 1
+        while self.next_bucket < len(self.buckets) and all(
+                self.seen[j] >= self.expected for j in self.buckets[self.next_bucket]):
+            self._launch(self.next_bucket)
+            self.early += 1
+
+    def _launch(self, k: int) -> None:
+        flat = torch.cat([sum(_grad(p) for p in self.slots[j]).reshape(-1)  # type: ignore[union-attr]
+                          for j in self.buckets[k]])
+        assert self.comm is not None
+        self.pending.append((flat, self.comm.iallreduce(flat)))
+        self.next_bucket += 1
 
     def grads(self) -> None:
         """Sum the gradients of every copy of this stage over the group; all copies get it."""
-        per_member = [self._params(m) for m in self.members]
-        flats = []
-        for params in per_member:
-            flats.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                                    .reshape(-1) for p in params]) if params else None)
-        if flats[0] is None:
+        if not self.slots:
             return
-        total = flats[0].clone()
-        for f in flats[1:]:
-            total += f
-        if self.comm is not None and self.comm.size > 1:
-            self.comm.allreduce(total)
-        for params in per_member:
+        if self.comm is None or self.comm.size == 1:
+            if len(self.members) > 1:  # one rank holding the stage in both GEMS copies
+                for slot in self.slots:
+                    total = sum(_grad(p) for p in slot)
+                    for p in slot:
+                        p.grad = total.clone()  # type: ignore[union-attr]
+            return
+        while self.next_bucket < len(self.buckets):
+            self._launch(self.next_bucket)
+        for k, (flat, req) in enumerate(self.pending):
+            req.wait()
             offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad = total[offset:offset + n].view_as(p).clone()
+            for j in self.buckets[k]:
+                n = self.slots[j][0].numel()
+                for p in self.slots[j]:
+                    p.grad = flat[offset:offset + n].view_as(p).clone()
                 offset += n
+        self.pending = []
 
     def _bns(self, m: Member) -> list[tuple[str, nn.modules.batchnorm._BatchNorm]]:
         return [(n, b) for n, b in m.module.named_modules()

@@ -36,6 +36,8 @@ class CaseResult:
     report: str
     output: str = ""
     """Everything the launch printed (shared by the cases of one launch)."""
+    seconds: float = 0.0
+    """Wall time of the case on rank 0 (0 if it did not finish)."""
 
     def check(self) -> None:
         """Raise AssertionError with every failing rank's traceback unless the case passed."""
@@ -86,7 +88,8 @@ def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
         errors = [(r, p.read_text()) for r, p in errors if p.exists()]
         passed = all(_marker(folder, case, r, "ok").exists() for r in range(n))
         if passed:
-            results[case] = CaseResult(case, True, "", output)
+            took = _marker(folder, case, 0, "ok").read_text().strip()
+            results[case] = CaseResult(case, True, "", output, float(took or 0.0))
             continue
         lines = [f"--- rank {r} ---\n{text}" for r, text in errors]
         if not errors:
@@ -119,6 +122,7 @@ def _worker(folder: Path, cases: Sequence[str]) -> None:
     rank = comm.rank
     for case in cases:
         _marker(folder, case, rank, "start").touch()
+        start = time.perf_counter()
         try:
             load_case(case)()
         except BaseException:  # noqa: BLE001 - report anything, then end every rank
@@ -126,7 +130,7 @@ def _worker(folder: Path, cases: Sequence[str]) -> None:
             print(f"[rank {rank}] {case} failed:\n{traceback.format_exc()}", flush=True)
             time.sleep(1.0)  # let peers failing at the same point write their tracebacks
             comm.abort(1)
-        _marker(folder, case, rank, "ok").touch()
+        _marker(folder, case, rank, "ok").write_text(f"{time.perf_counter() - start:.2f}")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             if ext is not None and grid.fits(ext):
                 tiled.add(n)
                 meta.put(n, SpatialLayout(True))
+            elif ext is not None:
+                meta.put(n, SpatialLayout(False, f"the {ext[0]}x{ext[1]} input {n.name!r} is "
+                                                 f"smaller than the tile grid"))
             else:
                 meta.put(n, SpatialLayout(False))
             continue
@@ -89,7 +92,7 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         first = next((n for n in gm.graph.nodes if meta.get(n, SpatialLayout).reason), None)
         why = meta.get(first, SpatialLayout).reason if first is not None else "no 4-D input"
         raise PlanError(f"nothing in this model can run on {grid.rows}x{grid.cols} tiles "
-                        f"({why}): use a larger image or fewer spatial_parts")
+                        f"({why}){_what_fits(gm, plan, grid, first)}")
     return gm
 
 
@@ -132,3 +135,22 @@ def limit_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             f"earlier ({ends[0] if ends else 'at the end of the model'}). Use "
             f"spatial_stages={min(missing)} or cut the stages differently (Plan.balance)")
     return gm
+
+
+def _what_fits(gm: fx.GraphModule, plan: Plan, grid: Grid, first: fx.Node | None) -> str:
+    """': use an image of at least HxW, or spatial_parts <= P' for the op that failed."""
+    image = next((_extent(n) for n in gm.graph.nodes if n.op == "placeholder"), None)
+    ext = _extent(first) if first is not None else None
+    if image is None or ext is None or grid.fits(ext):
+        return ": use a larger image or fewer spatial_parts"
+    f = max(grid.rows / ext[0], grid.cols / ext[1])
+    h, w = -(-image[0] * f // 1), -(-image[1] * f // 1)
+    if plan.slice == "vertical":
+        most = ext[1]
+    elif plan.slice == "horizontal":
+        most = ext[0]
+    else:
+        most = max(p for p in range(1, ext[0] * ext[1] + 1)
+                   if Grid(*Plan(spatial_parts=p).tile_grid()).fits(ext))
+    return (f": use an image of at least {int(h)}x{int(w)}, or spatial_parts <= {most} "
+            f"with slice={plan.slice!r}")

@@ -23,6 +23,7 @@ def results():
 @pytest.mark.parametrize("case", CASES, ids=NAMES)
 def test_pipeline_transparency(results, case):
     results[case].check()
+    print(f"{case.split('::')[1]}: {results[case].seconds:.1f} s on rank 0")
 
 
 def test_failure_in_a_step_ends_the_job_with_the_grid():

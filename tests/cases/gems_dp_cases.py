@@ -52,7 +52,10 @@ def case_sp_dp_resnet18():
 
 
 def case_lp_dp_densenet():
-    check(Case(_densenet, (4, 3, 32, 32), P(stages=2, data_parallel=2)))
+    rp = check(Case(_densenet, (4, 3, 32, 32), P(stages=2, data_parallel=2)))
+    if rp is not None:  # gradient sums started during backward, bucket by bucket
+        (sync,) = rp.syncs
+        assert sync.early >= max(1, len(sync.buckets) - 1), (sync.early, len(sync.buckets))
 
 
 def case_pp_dp_amoebanet():
