@@ -101,7 +101,8 @@ def test_inspect_stage_table_and_schedule_grid():
     grid = out.split("(one training step, step x rank)\n")[1].splitlines()
     assert grid[0].split() == ["step", "rank", "0", "rank", "1", "rank", "2"]
     assert grid[1].split() == ["0", "0F0", "1RECV_F0", "2RECV_F0"]
-    assert "simulated bubble (F=1, B=2 ticks): 33.3%; formula (p-1)/(m+p-1) = 33.3%" in out
+    assert "simulated bubble (F=1, B=2 ticks): 33.3%; one copy's formula (p-1)/(m+p-1) = 33.3%" \
+        in out
 
 
 def test_inspect_bad_balance_is_a_clear_error():
@@ -109,3 +110,17 @@ def test_inspect_bad_balance_is_a_clear_error():
             "64", "--batch-size", "2", "--stages", "2", "--balance", "3,4")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "make it sum to 69" in r.stderr
+
+
+def test_inspect_rank_map_and_gems_grid():
+    r = run(sys.executable, "-m", "fxpar.cli.inspect", "torchvision:resnet18", "--image-size",
+            "64", "--batch-size", "8", "--stages", "3", "--gems", "--data-parallel", "2")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "rank map (6 ranks):" in out
+    rows = out.split("rank map (6 ranks):\n")[1].split("\n\n")[0].splitlines()
+    assert rows[0].split() == ["rank", "dp", "copy", "stage", "tile"]
+    assert rows[1].split() == ["0", "0", "0", "0", "0"] and rows[2].split() == ["0", "0", "1",
+                                                                               "2", "0"]
+    assert rows[-1].split() == ["5", "1", "1", "0", "0"]
+    assert "GEMS x2 copies" in out and "c1.0F0" in out
