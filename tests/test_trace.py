@@ -118,20 +118,24 @@ def test_shape_errors_name_the_node():
 
 @pytest.mark.slow
 def test_resnet152_at_16384_is_analysed_without_image_memory():
-    """Peak RSS of the whole analysis process stays under 2 GB (the image alone would be
-    3 GB in float32; the first activation 16 GB)."""
+    """The analysis raises the process's peak RSS by far less than the image (3 GiB in
+    float32; the first activation alone is 16 GiB). The peak before it is importing the CUDA
+    build of torch and the 230 MB of parameters, which varies from run to run (0.9-2.1 GiB
+    seen), so the analysis's own increase is what is asserted; the total is printed."""
     code = (
         "import resource, time, torch, torchvision\n"
         "from fxpar.trace import trace, totals\n"
         "m = torchvision.models.resnet152()\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
         "t = time.perf_counter()\n"
         "gm = trace(m, (1, 3, 16384, 16384))\n"
         "dt = time.perf_counter() - t\n"
         "rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
-        "print(f'{dt:.2f} {rss} {totals(gm).flops}')\n")
+        "print(f'{dt:.2f} {before} {rss} {totals(gm).flops}')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, check=True).stdout.split()
-    seconds, rss, flops = float(out[0]), int(out[1]), int(out[2])
-    print(f"ResNet-152 16384^2: analysis {seconds:.2f} s, peak RSS {rss / 2**20:.0f} MiB")
-    assert rss < 2 * 10**9
+    seconds, before, rss, flops = float(out[0]), int(out[1]), int(out[2]), int(out[3])
+    print(f"ResNet-152 16384^2: analysis {seconds:.2f} s, peak RSS {rss / 2**20:.0f} MiB "
+          f"(+{(rss - before) / 2**20:.0f} MiB over torch, torchvision and the model)")
+    assert rss - before < 512 * 2**20
     assert flops > 100e12  # ~123 TFLOP: the analysis really saw the full-size image
