@@ -19,6 +19,7 @@ line with the per-step wall times.
 from __future__ import annotations
 
 import argparse
+import atexit
 import io
 import json
 import os
@@ -275,9 +276,8 @@ def summarize(rounds: list[dict[str, Any]], systems: list[str]) -> dict[str, Any
     out: dict[str, Any] = {"img_per_s": {s: _spread(v) for s, v in ips.items()}, "ratios": {}}
     for num, den in (("fxpar", "torch"), ("fxpar", "single"), ("torch", "single"),
                      ("fxpar", "single-mb")):
-        if num in ips and den in ips:
-            out["ratios"][f"{num}/{den}"] = _spread([a / b for a, b in zip(ips[num], ips[den],
-                                                                          strict=True)])
+        out["ratios"][f"{num}/{den}"] = _spread([a / b for a, b in zip(ips[num], ips[den],
+                                                                      strict=True)])
     return out
 
 
@@ -299,6 +299,7 @@ def snapshot(rev: str) -> tuple[Path, str]:
     """``rev`` exported to a temporary folder (``git archive``; the repository is only read),
     so that edits to the working tree during a long run cannot change what is measured."""
     folder = Path(tempfile.mkdtemp(prefix="bench-fxpar-"))
+    atexit.register(shutil.rmtree, folder, True)  # also when a worker fails
     archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True)
     tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(folder, filter="data")
     return folder, _git("rev-parse", "--short", rev).strip()
@@ -406,8 +407,6 @@ def driver(args: argparse.Namespace) -> None:
                       f"foreign {rec['foreign']:.2f}  "
                       f"({time.time() - t_start:.0f} s)", flush=True)
             raw[sched].append(rnd)
-    if args.rev:
-        shutil.rmtree(args.src)
     args.schedule, args.src = None, str(args.src)
     if res["stage_params"]["fxpar"] != res["stage_params"]["torch"]:
         print("WARNING: stage splits differ:", res["stage_params"], flush=True)
