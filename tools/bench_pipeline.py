@@ -370,7 +370,7 @@ def write_docs(res: dict[str, Any], json_path: Path, md_path: Path) -> None:
     head, _, rest = text.partition(SECTION)
     end = rest.find("\n## ")
     body, tail = (rest, "") if end < 0 else (rest[:end], rest[end:])
-    notes = body[body.find(NOTES):].rstrip() + "\n" if NOTES in body else ""
+    notes = "\n" + body[body.find(NOTES):].rstrip() + "\n" if NOTES in body else ""
     md_path.write_text(head.rstrip() + "\n\n" + markdown(res) + notes + tail)
 
 
