@@ -2,10 +2,11 @@
 layer, pipeline, bidirectional (GEMS) and data-parallel training under MPI."""
 
 from fxpar.compiler import compile
+from fxpar.emit import load as load_program
 from fxpar.plan import Plan, PlanError, RankMap
 from fxpar.program import Program, RankProgram
 from fxpar.trace import TraceError, analyze, symbolic_trace, trace
 
-__all__ = ["compile", "Plan", "PlanError", "RankMap", "Program", "RankProgram", "TraceError",
-           "analyze", "symbolic_trace", "trace"]
+__all__ = ["compile", "load_program", "Plan", "PlanError", "RankMap", "Program", "RankProgram",
+           "TraceError", "analyze", "symbolic_trace", "trace"]
 __version__ = "0.1.0"

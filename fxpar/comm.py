@@ -10,6 +10,7 @@ Every call takes and returns torch tensors; MPI details (datatypes, IN_PLACE, re
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -170,6 +171,7 @@ class Comm:
         sys.stdout.flush()
         sys.stderr.flush()
         self._c.Abort(code)
+        os._exit(code)  # MPI_Abort can return when every peer has already exited
 
 
 def world() -> Comm:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
 from fxpar import meta
+from fxpar.materialize import InitFn, meta_model_of
 from fxpar.meta import TensorInfo
 from fxpar.passdriver import run_passes
 from fxpar.plan import Plan, RankMap
@@ -61,6 +62,9 @@ def compile(  # noqa: A001 - the public name the design fixes
     loss_fn: LossFn = F.cross_entropy,
     optimizer: OptimizerFactory | None = None,
     leaf_modules: Sequence[type[nn.Module]] = (),
+    init: InitFn | None = None,
+    seed: int = 0,
+    after_pass: Callable[[str, fx.GraphModule], None] | None = None,
 ) -> Program:
     """Compile ``model`` for ``plan``.
 
@@ -70,6 +74,13 @@ def compile(  # noqa: A001 - the public name the design fixes
     loss_fn: ``loss_fn(output, target)``, the mean over its batch (as ``F.cross_entropy``).
     optimizer: ``optimizer(params) -> torch.optim.Optimizer``; None computes gradients only.
     leaf_modules: module types to keep opaque (not traced into).
+    init, seed: for a model built on the ``meta`` device, each rank materialises only its own
+        stages' modules (in ``program.for_rank``), each by ``reset_parameters()`` -- or
+        ``init(qualified_name, module)`` when given -- under a seed from ``seed`` and the
+        module's name; ``fxpar.materialize.materialize_model(model, seed, init)`` gives the
+        same values on one process.
+    after_pass: ``after_pass(name, gm)`` sees the graph right after tracing ("trace") and
+        after each pass of ``PASSES`` (``fxpar-inspect --after`` prints it there).
 
     The program's modules share parameters with ``model``: training the program trains it.
     """
@@ -87,7 +98,7 @@ def compile(  # noqa: A001 - the public name the design fixes
         example = torch.empty(mb_shape, device="meta",
                               dtype=next((p.dtype for p in model.parameters()), torch.float32))
     gm = trace(model, example, leaf_modules=leaf_modules)  # shapes are per micro-batch
-    gm = run_passes(gm, plan, PASSES)
+    gm = run_passes(gm, plan, PASSES, after=after_pass)
     graph = build_stages(gm)
     rank_map = RankMap(plan)
     links = links_of(graph)
@@ -99,4 +110,5 @@ def compile(  # noqa: A001 - the public name the design fixes
     spatial = tile_stages(gm, graph, plan) if plan.spatial else None
     return Program(plan=plan, rank_map=rank_map, graph=graph, schedule=schedule,
                    loss_fn=loss_fn, optimizer=optimizer, batch_size=int(shape[0]),
-                   names=tuple(model.state_dict().keys()), traced=gm, spatial=spatial)
+                   names=tuple(model.state_dict().keys()), traced=gm, spatial=spatial,
+                   meta_model=meta_model_of(model, init), init=init, seed=seed)

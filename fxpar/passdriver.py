@@ -3,6 +3,11 @@
 A pass is ``fn(gm, plan) -> gm`` that records its decisions in ``node.meta`` (see fxpar.meta).
 User errors (PlanError, TraceError) pass through unchanged; anything else is a compiler bug and
 is reported with the pass that raised it and the passes that ran before it.
+
+The ``after`` hook sees the graph under the name ``"trace"`` before the first pass (the traced,
+analysed graph) and then under each pass's name. Passes annotate the graph in place, so a dump
+must be taken inside the hook: :func:`dump` renders it as text at that moment (the node table
+plus the column of metadata that pass writes), which is what ``fxpar-inspect --after`` prints.
 """
 
 from __future__ import annotations
@@ -11,10 +16,21 @@ from collections.abc import Callable, Sequence
 
 from torch import fx
 
+from fxpar import meta
 from fxpar.plan import Plan, PlanError
+from fxpar.report import node_table
+from fxpar.spatial.ops import Halo, HaloOp, Join, spatial_mean, sync_batch_norm
 from fxpar.trace import TraceError
+from passes.spatial_region import SpatialLayout
+from passes.split_stages import StageAssignment
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
+After = Callable[[str, fx.GraphModule], None]
+
+TRACE = "trace"
+"""The name under which ``after`` sees the graph before any pass."""
+HALO = "halo"
+"""Not a whole-graph pass: the per-tile rewrite of each spatial stage (passes.halo)."""
 
 
 class PassError(RuntimeError):
@@ -22,8 +38,11 @@ class PassError(RuntimeError):
 
 
 def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[tuple[str, Pass]],
-               after: Callable[[str, fx.GraphModule], None] | None = None) -> fx.GraphModule:
-    """Apply ``passes``; ``after(name, gm)`` is called after each (for dumps)."""
+               after: After | None = None) -> fx.GraphModule:
+    """Apply ``passes``; ``after(name, gm)`` is called on the input (as ``"trace"``) and after
+    each pass (for dumps)."""
+    if after is not None:
+        after(TRACE, gm)
     done: list[str] = []
     for name, fn in passes:
         try:
@@ -39,3 +58,65 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[tuple[str, Pass]
         if after is not None:
             after(name, gm)
     return gm
+
+
+# -- dumps -------------------------------------------------------------------------------------
+def _layout(n: fx.Node) -> str:
+    lay = meta.find(n, SpatialLayout)
+    if lay is None:
+        return "-"
+    return ("tiled" if lay.tiled else "replicated") + (f" ({lay.reason})" if lay.reason else "")
+
+
+def _stage(n: fx.Node) -> str:
+    a = meta.find(n, StageAssignment)
+    return "-" if a is None else str(a.stage)
+
+
+def halo_note(gm: fx.GraphModule, n: fx.Node) -> str:
+    """What a node of a tile-rewritten stage does across tiles ('' for a local op)."""
+    if n.op == "call_module":
+        mod = gm.get_submodule(str(n.target))
+        if isinstance(mod, (Halo, HaloOp)):
+            ex = mod.exchange
+            if mod.replicated:
+                return f"scatter: slice {ex.need} of the whole tensor"
+            t, b, left, r = ex.halo_widths()
+            recvs, sends = sorted(u for u, _ in ex.recvs), sorted(u for u, _ in ex.sends)
+            widths = f"halo t={t} b={b} l={left} r={r}"
+            if not recvs and not sends:
+                return f"{widths} (no exchange)"
+            return f"{widths} <- tiles {recvs} -> tiles {sends}"
+        if isinstance(mod, Join):
+            return f"join: gather {len(mod.rects)} tiles"
+    if n.target is sync_batch_norm:
+        return "BatchNorm statistics: allreduce over tiles"
+    if n.target is spatial_mean:
+        return "spatial mean: allreduce over tiles"
+    return ""
+
+
+COLUMNS: dict[str, tuple[str, Callable[[fx.GraphModule, fx.Node], str]]] = {
+    "spatial_region": ("layout", lambda gm, n: _layout(n)),
+    "split_stages": ("stage", lambda gm, n: _stage(n)),
+    "limit_region": ("stage, layout", lambda gm, n: f"{_stage(n)}  {_layout(n)}"),
+    HALO: ("across tiles", halo_note),
+}
+"""Per pass: the header and value of the metadata column its dump adds to the node table."""
+
+
+def dump(name: str, gm: fx.GraphModule, code: bool = False) -> str:
+    """The graph as it is now: the node table (as ``fxpar-inspect`` prints it) plus the column
+    of the pass ``name``; ``code`` appends the graph's generated Python (``gm.code``)."""
+    lines = node_table(gm).splitlines()
+    if name in COLUMNS:
+        header, value = COLUMNS[name]
+        width = max(len(line) for line in lines)
+        extra = [header, *(value(gm, n) for n in gm.graph.nodes)]
+        lines = [f"{line.ljust(width)}  {x}".rstrip() for line, x in zip(lines, extra,
+                                                                           strict=True)]
+    text = "\n".join(lines)
+    if code:
+        text += "\n\n" + gm.code.strip("\n")
+    return text
+

@@ -15,16 +15,18 @@ import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from fxpar.comm import Comm
+from fxpar.materialize import InitFn, materialize_rank
 from fxpar.plan import Plan, PlanError, RankMap
 from fxpar.runtime import LossFn, Runtime, StepState, Tiling
 from fxpar.schedule import Action, Schedule
-from fxpar.spatial.geometry import Grid
+from fxpar.spatial.geometry import Grid, Rect
 from fxpar.spatial.ops import Join, group_key, set_group
 from fxpar.stages import StageGraph
 from fxpar.sync import Member, StageSync
@@ -79,6 +81,12 @@ class Program:
     traced: fx.GraphModule | None = None
     """The whole analysed graph after all passes (per micro-batch shapes), for inspection."""
     spatial: SpatialInfo | None = None
+    meta_model: nn.Module | None = None
+    """The original model when it was built on the meta device: ``for_rank`` materialises the
+    part its rank uses (fxpar.materialize), each module under a seed from ``seed`` and its name."""
+    init: InitFn | None = None
+    """``init(qualified_name, module)`` used instead of ``reset_parameters`` when materialising."""
+    seed: int = 0
 
     @property
     def world_size(self) -> int:
@@ -90,7 +98,15 @@ class Program:
         return {n: i for i, n in enumerate(self.names)}
 
     def for_rank(self, rank: int, comm: Comm | None = None) -> RankProgram:
-        """Rank ``rank``'s program. Its modules share parameters with the compiled model."""
+        """Rank ``rank``'s program. Its modules share parameters with the compiled model (a
+        meta-built model gets real memory for this rank's stages only, first)."""
+        if self.meta_model is not None and 0 <= rank < self.world_size:
+            materialize_rank(self, rank)
+        return RankProgram(self, rank, self.stage_modules(rank), comm)
+
+    def stage_modules(self, rank: int) -> dict[tuple[int, int], nn.Module]:
+        """Rank ``rank``'s stage modules, ``{(copy, stage): module}``: tile modules for spatial
+        stages, a copy for the GEMS mirror. Touches no communicator."""
         if not 0 <= rank < self.world_size:
             raise PlanError(f"rank {rank} is outside this plan's {self.world_size} ranks")
         stages = {}
@@ -103,7 +119,14 @@ class Program:
                 module = copy.deepcopy(self.spatial.build(r.stage, r.tile, r.copy) if spatial
                                        else self.graph.modules[r.stage])  # type: ignore[union-attr]
             stages[(r.copy, r.stage)] = module
-        return RankProgram(self, rank, stages, comm)
+        return stages
+
+    def save(self, folder: str | os.PathLike[str]) -> Path:
+        """Write every rank's program as plain files: generated stage code, weights, action
+        lists, the plan and rank layout (see :mod:`fxpar.emit`); ``fxpar-run FOLDER`` runs it."""
+        from fxpar.emit import save
+
+        return save(self, folder)
 
     def local(self, comm: Comm | None = None) -> RankProgram:
         """This process's rank program: rank 0 when not launched by MPI and the plan needs one
@@ -201,10 +224,8 @@ class RankProgram:
             if role.stage < plan.spatial_stages:
                 set_group(group_key(role.stage, role.copy),
                           comms.get(("tiles", role.copy, role.stage, dp)))
-        role = roles[0]
         return Tiling(info.grid, {r.copy: r.tile for r in roles}, plan.spatial_stages,
-                      info.out_tiled, info.out_extent,
-                      comms.get(("tiles", role.copy, role.stage, dp)))
+                      info.out_tiled, info.out_extent)
 
     @property
     def plan(self) -> Plan:
@@ -241,15 +262,19 @@ class RankProgram:
     def eval(self) -> RankProgram:
         return self.train(False)
 
-    def train_step(self, x: torch.Tensor, y: Any) -> float:
+    def train_step(self, x: torch.Tensor | None, y: Any) -> float:
         """One optimizer step on the global batch ``(x, y)``; returns the global mean loss.
 
-        Gradients are zeroed first and left in place afterwards (for inspection)."""
+        Gradients are zeroed first and left in place afterwards (for inspection).
+        x: the whole batch's shape, but only :meth:`input_window` of it is read (a loader may
+        fill just that part of a ``torch.empty``); None on a rank whose window is None.
+        y: None on a rank that does not hold the last stage (only the loss reads targets)."""
+        self._check_omitted(x, y)
         n = self._check_batch(x)
         for p in self.parameters():
             p.grad = None
-        state = StepState(list(torch.tensor_split(x, n)), list(_split_target(y, n)),
-                          scale=1.0 / n)
+        xs = [None] * n if x is None else list(torch.tensor_split(x, n))
+        state = StepState(xs, list(_split_target(y, n)), scale=1.0 / n)  # type: ignore[arg-type]
         for sync in self.syncs:
             sync.reset()
             if self._merge_stats():
@@ -260,8 +285,29 @@ class RankProgram:
             self.comm.allreduce(total)  # only the last stage's ranks hold losses
         return float(total)
 
-    def _check_batch(self, x: torch.Tensor) -> int:
-        batch = int(x.shape[0])
+    def _check_omitted(self, x: torch.Tensor | None, y: Any) -> None:
+        stages = {s for _, s in self.stages}
+        if x is None and any(i.source == "batch" for s in stages
+                             for i in self.program.graph.inputs[s]):
+            raise ValueError(f"rank {self.rank}'s stages {sorted(stages)} read the model input: "
+                             f"pass x (at least its input_window())")
+        if y is None and self.plan.stages - 1 in stages:
+            raise ValueError(f"rank {self.rank} holds the last stage, which computes the loss: "
+                             f"pass the targets y")
+
+    def input_window(self, image: tuple[int, int] | None = None) -> Rect | None:
+        """The rows x columns of the model input this rank's stages read (bounding box, halo
+        included, clipped to the image); None when they never read the input. A data loader
+        need read only this part of each image (see fxpar.data).
+
+        image: the input's (H, W), used only when the program cannot tell (a program loaded
+        from disk whose stage reads the whole input)."""
+        from fxpar.data import input_window
+
+        return input_window(self, image)
+
+    def _check_batch(self, x: torch.Tensor | None) -> int:
+        batch = self.program.batch_size if x is None else int(x.shape[0])
         self.plan.check_batch(batch)
         if self.program.graph.transfers and batch != self.program.batch_size:
             raise PlanError(f"this program was compiled for a global batch of "
@@ -326,8 +372,20 @@ class RankProgram:
             merged.update(part)
         return {k: merged[k] for k in sorted(merged, key=self._order)}
 
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor],
+                        strict: bool = True) -> list[str]:
+        """Load a single-device ``state_dict`` (e.g. ``model.state_dict()`` or
+        ``fxpar.checkpoint.export(folder)``) into this rank's modules, every copy, in place;
+        keys of other ranks' stages are ignored. Returns the keys loaded. strict: every key this
+        rank needs must be there, and no key outside the model (see fxpar.checkpoint)."""
+        from fxpar.checkpoint import load_state_dict
+
+        return load_state_dict(self, state_dict, strict)
+
 
 def _split_target(y: Any, n: int) -> list[Any]:
+    if y is None:
+        return [None] * n
     if isinstance(y, torch.Tensor):
         return list(torch.tensor_split(y, n))
     if n == 1:

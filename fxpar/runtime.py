@@ -12,11 +12,18 @@ summed gradients are those of that mean.
 Communication: every receive is posted (``irecv``) by its RECV action and waited for by the
 compute action that needs it; every send is an ``isend`` whose request is completed at the end
 of the step, so no rank ever blocks in a send.
+
+Timing (for ``fxpar-run --metrics``): set ``Runtime.timeline`` to a list and each action appends
+an :class:`ActionTime` (perf_counter start/end, and the seconds it sat blocked in request waits,
+``Comm.waitall`` or the gradient sync). With ``timeline`` None (the default) the loop only pays
+one ``is None`` test per action and per wait. Halo exchanges and BatchNorm allreduces inside a
+spatial stage's F/B run in the stage module (fxpar.spatial.ops), so they count as compute here.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +62,6 @@ class Tiling:
     out_tiled: bool
     """The model output is tiled (a loss on tiles) rather than replicated."""
     out_extent: tuple[int, int]
-    group: Comm | None = None
 
     def spatial(self, stage: int) -> bool:
         return stage < self.spatial_stages
@@ -80,6 +86,17 @@ class StepState:
     recv_b: dict[Key, list[Posted]] = field(default_factory=dict)
     grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
     sends: list[Request] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ActionTime:
+    """When one action ran (``time.perf_counter`` seconds) and how long of it was spent blocked
+    on communication (``wait``)."""
+
+    action: Action
+    start: float
+    end: float
+    wait: float
 
 
 class ActionFailed(RuntimeError):
@@ -107,6 +124,9 @@ class Runtime:
     """(copy, micro-batch) -> index of the global batch chunk it trains on."""
     sync: Callable[[], None] = lambda: None
     """Sums gradients over the stage groups (the ALLREDUCE action)."""
+    timeline: list[ActionTime] | None = None
+    """When a list, every action run appends its :class:`ActionTime` (see the module doc)."""
+    _waited: float = field(default=0.0, repr=False)
 
     def run(self, state: StepState, actions: list[Action] | None = None) -> None:
         """The loop: every action of this rank, in order."""
@@ -118,7 +138,14 @@ class Runtime:
         todo = self.schedule[self.rank] if actions is None else actions
         for i, action in enumerate(todo):
             try:
-                handlers[action.kind](action, state)
+                if self.timeline is None:
+                    handlers[action.kind](action, state)
+                else:
+                    self._waited = 0.0
+                    start = time.perf_counter()
+                    handlers[action.kind](action, state)
+                    self.timeline.append(ActionTime(action, start, time.perf_counter(),
+                                                    self._waited))
             except Exception as e:
                 mark = (self.rank, i) if actions is None else None
                 grid = format_grid(self.schedule, mark=mark)
@@ -128,6 +155,15 @@ class Runtime:
                                    f"{type(e).__name__}: {e}") from e
         Comm.waitall(state.sends)
         state.sends.clear()
+
+    def _block(self, wait: Callable[[], object]) -> None:
+        """Run a blocking communication call; when recording, its time is the action's wait."""
+        if self.timeline is None:
+            wait()
+            return
+        start = time.perf_counter()
+        wait()
+        self._waited += time.perf_counter() - start
 
     # -- tags: one per (direction, copy, micro-batch, transfer); MPI matches on (source, tag)
     def _tag(self, t: Transfer, a: Action, backward: bool) -> int:
@@ -146,7 +182,7 @@ class Runtime:
         module = self.stages[(a.copy, a.stage)]
         received: dict[int, torch.Tensor] = {}
         for p in st.recv_f.pop(key, []):
-            p.req.wait()
+            self._block(p.req.wait)
             if p.rect is None:
                 received[p.transfer.id] = p.buf
                 continue
@@ -191,7 +227,7 @@ class Runtime:
         else:
             grads: list[torch.Tensor | None] = [None] * len(outs)
             for p in st.recv_b.pop(key, []):
-                p.req.wait()
+                self._block(p.req.wait)
                 g = grads[p.transfer.src_out]
                 grads[p.transfer.src_out] = p.buf if g is None else g + p.buf
             pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
@@ -201,16 +237,16 @@ class Runtime:
         st.grads[key] = [x.grad for x in st.inputs.pop(key)]
 
     def _step(self, a: Action, st: StepState) -> None:
-        Comm.waitall(st.sends)
+        self._block(lambda: Comm.waitall(st.sends))
         st.sends.clear()
         if self.optimizer is not None:
             self.optimizer.step()
 
     def _allreduce(self, a: Action, st: StepState) -> None:
         """Sum gradients over each stage group (tiles, GEMS copies, replicas)."""
-        Comm.waitall(st.sends)
+        self._block(lambda: Comm.waitall(st.sends))
         st.sends.clear()
-        self.sync()
+        self._block(self.sync)
 
     # -- spatial helpers ----------------------------------------------------------------------
     def _loss_share(self, a: Action) -> float:

@@ -1,17 +1,29 @@
 """Run every rank's action list without MPI: find deadlocks, count time, check the rules.
 
 Sends never block (the runtime's are nonblocking); a receive completes once its matching send
-has run, no earlier than the sender's clock. F costs ``f_cost`` ticks, B ``b_cost``, the rest 0.
+has run, no earlier than the sender's clock. F costs ``f_cost`` ticks, B ``b_cost``, the rest 0;
+or, with ``stage_cost``, F of stage s costs ``stage_cost[s]`` and B twice that (see
+:func:`stage_costs`: forward FLOPs per rank, so a timeline shows where the real work waits).
 The result says how long the step takes and how busy each rank was, so the bubble of a schedule
-can be compared with the formula (p-1)/(m+p-1).
+can be compared with the formula (p-1)/(m+p-1), and when each action ran (``spans``: what
+``fxpar-inspect --timeline`` draws; a receive's span is the time its rank waited for the data).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from fxpar import meta
+from fxpar.meta import NodeCost
 from fxpar.schedule import Action, Links, Schedule
+from passes.spatial_region import SpatialLayout
+from passes.split_stages import StageAssignment, compute_nodes
+
+if TYPE_CHECKING:
+    from fxpar.program import Program
 
 _MATCH = {"RECV_F": "SEND_F", "RECV_B": "SEND_B"}
 
@@ -21,9 +33,20 @@ class ScheduleError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Span:
+    """When one action of a rank ran in the simulation: ``[start, end)``."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
 class SimResult:
     makespan: float
     busy: dict[int, float]
+    spans: dict[int, list[Span]] = field(default_factory=dict)
+    """Per rank, one span per action, in the rank's order."""
 
     @property
     def bubble(self) -> float:
@@ -36,12 +59,15 @@ def _senders(links: Links) -> dict[int, set[int]]:
 
 
 def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
-             b_cost: float = 2.0) -> SimResult:
-    """Execute ``schedule``; raise ScheduleError on deadlock."""
+             b_cost: float = 2.0, stage_cost: Mapping[int, float] | None = None) -> SimResult:
+    """Execute ``schedule``; raise ScheduleError on deadlock.
+
+    stage_cost: F cost per stage (B costs twice as much), instead of ``f_cost``/``b_cost``."""
     senders = _senders(links)
     sent: dict[Action, float] = {}  # (kind, stage, mb, copy) of a send -> time it ran
     clock = {r: 0.0 for r in schedule}
     busy = {r: 0.0 for r in schedule}
+    spans: dict[int, list[Span]] = {r: [] for r in schedule}
     pc = {r: 0 for r in schedule}
     progress = True
     while progress:
@@ -49,6 +75,7 @@ def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
         for r, acts in schedule.items():
             while pc[r] < len(acts):
                 a = acts[pc[r]]
+                start = clock[r]
                 if a.kind in _MATCH:
                     peers = senders.get(a.stage, set()) if a.kind == "RECV_F" else \
                         links.get(a.stage, set())
@@ -59,15 +86,37 @@ def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
                 elif a.kind in ("SEND_F", "SEND_B"):
                     sent[a] = clock[r]
                 elif a.kind in ("F", "B"):
-                    cost = f_cost if a.kind == "F" else b_cost
+                    if stage_cost is not None:
+                        cost = stage_cost[a.stage] * (1.0 if a.kind == "F" else 2.0)
+                    else:
+                        cost = f_cost if a.kind == "F" else b_cost
                     clock[r] += cost
                     busy[r] += cost
+                spans[r].append(Span(a, start, clock[r]))
                 pc[r] += 1
                 progress = True
     stuck = {r: str(acts[pc[r]]) for r, acts in schedule.items() if pc[r] < len(acts)}
     if stuck:
         raise ScheduleError(f"deadlock: ranks wait forever at {stuck}")
-    return SimResult(max(clock.values()), busy)
+    return SimResult(max(clock.values()), busy, spans)
+
+
+def stage_costs(program: Program) -> dict[int, float]:
+    """Forward FLOPs of one micro-batch of each stage, as one rank of it runs them: the sum of
+    its nodes' ``NodeCost.flops``, where a tiled node of a spatial stage counts 1/P (each of
+    the P tiles does that share). Feed to ``simulate(..., stage_cost=...)``."""
+    gm = program.traced
+    if gm is None:
+        raise ValueError("the program has no analysed graph (compile it with fxpar.compile)")
+    plan = program.plan
+    out = {s: 0.0 for s in range(plan.stages)}
+    for n in compute_nodes(gm):
+        s = meta.get(n, StageAssignment).stage
+        c = meta.find(n, NodeCost)
+        lay = meta.find(n, SpatialLayout)
+        if c is not None:
+            out[s] += c.flops / (plan.group_size(s) if lay is not None and lay.tiled else 1)
+    return out
 
 
 def validate(schedule: Schedule, links: Links) -> None:

@@ -86,7 +86,7 @@ def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
     for case in cases:
         errors = [(r, _marker(folder, case, r, "err")) for r in range(n)]
         errors = [(r, p.read_text()) for r, p in errors if p.exists()]
-        passed = all(_marker(folder, case, r, "ok").exists() for r in range(n))
+        passed = not errors and all(_marker(folder, case, r, "ok").exists() for r in range(n))
         if passed:
             took = _marker(folder, case, 0, "ok").read_text().strip()
             results[case] = CaseResult(case, True, "", output, float(took or 0.0))
@@ -130,6 +130,7 @@ def _worker(folder: Path, cases: Sequence[str]) -> None:
             print(f"[rank {rank}] {case} failed:\n{traceback.format_exc()}", flush=True)
             time.sleep(1.0)  # let peers failing at the same point write their tracebacks
             comm.abort(1)
+            os._exit(1)  # Abort can return when the peers have already exited
         _marker(folder, case, rank, "ok").write_text(f"{time.perf_counter() - start:.2f}")
 
 

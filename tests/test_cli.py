@@ -1,14 +1,30 @@
 """fxpar-inspect and fxpar-run as a user runs them."""
 
+import contextlib
+import io
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from fxpar.cli.inspect import main as inspect_main
+from fxpar.cli.run import main as run_main
 from fxpar.testing import mpiexec
 
 BIN = Path(sys.executable).parent
+
+
+def call(main, *args, timeout=None):
+    """A CLI's main() in this process (no interpreter start-up), as a finished process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse errors
+            code = e.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def run(*args, timeout=120):
@@ -30,7 +46,7 @@ def test_inspect_torchvision_model_prints_table_and_totals():
 
 
 def test_inspect_zoo_model_with_keyword_arguments():
-    r = run(sys.executable, "-m", "fxpar.cli.inspect", "models:amoebanet", "-k", "num_layers=3",
+    r = call(inspect_main, "models:amoebanet", "-k", "num_layers=3",
             "-k", "num_filters=16", "--image-size", "64", "--batch-size", "2",
             "--num-classes", "4")
     assert r.returncode == 0, r.stderr
@@ -44,7 +60,7 @@ def test_inspect_model_from_a_file(tmp_path):
     f.write_text("import torch.nn as nn\n"
                  "def make(width=4):\n"
                  "    return nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU())\n")
-    r = run(sys.executable, "-m", "fxpar.cli.inspect", f"{f}:make", "-k", "width=6",
+    r = call(inspect_main, f"{f}:make", "-k", "width=6",
             "--image-size", "2048", "--channels", "1")
     assert r.returncode == 0, r.stderr
     assert "1x6x2048x2048" in r.stdout and "96.00 MiB" in r.stdout
@@ -57,13 +73,13 @@ def test_inspect_model_from_a_file(tmp_path):
     ("missing.py:make", "is not an existing .py file"),
 ])
 def test_inspect_bad_model_spec_is_a_clear_error(spec, message):
-    r = run(sys.executable, "-m", "fxpar.cli.inspect", spec, "--image-size", "32")
+    r = call(inspect_main, spec, "--image-size", "32")
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
 def test_inspect_too_small_image_names_the_node():
-    r = run(sys.executable, "-m", "fxpar.cli.inspect", "torchvision:vgg11", "--image-size", "16")
+    r = call(inspect_main, "torchvision:vgg11", "--image-size", "16")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "shape propagation failed at node" in r.stderr and "image large enough" in r.stderr
 
@@ -76,18 +92,21 @@ def test_run_trains_under_mpiexec_with_progress():
     assert r.returncode == 0, r.stderr
     steps = [line for line in r.stdout.splitlines() if line.startswith("step")]
     assert len(steps) == 3 and "loss" in steps[0] and "img/s" in steps[0]
-    assert r.stdout.splitlines()[-1].startswith("done: median")
+    lines = r.stdout.splitlines()
+    head = lines.index(next(line for line in lines if line.startswith("rank  stage  tile")))
+    assert lines[head + 1].split()[:3] == ["0", "0", "0"]  # the per-rank table
+    assert lines[-1].startswith("done: median")
 
 
 def test_run_rejects_a_bad_plan_before_starting():
-    r = run(sys.executable, "-m", "fxpar.cli.run", "models:resnet_v2", "--batch-size", "6",
+    r = call(run_main, "models:resnet_v2", "--batch-size", "6",
             "--parts", "4")
     assert r.returncode == 2
     assert "batch size 6 does not split into 4 equal chunks" in r.stderr
 
 
 def test_inspect_stage_table_and_schedule_grid():
-    r = run(sys.executable, "-m", "fxpar.cli.inspect", "torchvision:resnet18", "--image-size",
+    r = call(inspect_main, "torchvision:resnet18", "--image-size",
             "128", "--batch-size", "32", "--stages", "3", "--microbatches", "4", "--schedule",
             "1f1b")
     assert r.returncode == 0, r.stderr
@@ -106,14 +125,14 @@ def test_inspect_stage_table_and_schedule_grid():
 
 
 def test_inspect_bad_balance_is_a_clear_error():
-    r = run(sys.executable, "-m", "fxpar.cli.inspect", "torchvision:resnet18", "--image-size",
+    r = call(inspect_main, "torchvision:resnet18", "--image-size",
             "64", "--batch-size", "2", "--stages", "2", "--balance", "3,4")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "make it sum to 69" in r.stderr
 
 
 def test_inspect_rank_map_and_gems_grid():
-    r = run(sys.executable, "-m", "fxpar.cli.inspect", "torchvision:resnet18", "--image-size",
+    r = call(inspect_main, "torchvision:resnet18", "--image-size",
             "64", "--batch-size", "8", "--stages", "3", "--gems", "--data-parallel", "2")
     assert r.returncode == 0, r.stderr
     out = r.stdout

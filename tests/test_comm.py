@@ -44,3 +44,12 @@ def test_hung_job_is_killed_at_the_timeout():
     (only,) = res.values()
     assert not only.passed
     assert "timeout" in only.report and "ranks that started it: [0, 1]" in only.report
+
+
+def test_failure_after_the_peers_exited_is_still_a_failure():
+    """MPI_Abort may return when no peer is left to end: the rank must still exit non-zero and
+    the case must not be reported as passed."""
+    late = f"{HERE}::case_fails_after_peers_left"
+    res = run_cases([late], n=2, timeout=60)[late]
+    assert not res.passed
+    assert "injected late failure on rank 0" in res.report

@@ -5,6 +5,13 @@
     fxpar-inspect path/to/net.py:make_net --image-size 2048 --channels 1
     fxpar-inspect torchvision:resnet18 --image-size 128 --batch-size 32 --stages 2 \
         --microbatches 4 --schedule 1f1b
+
+Views (any of them replaces the default report; see docs/inspect.md):
+    --after PASS [--code]   the graph right after a compiler pass, with that pass's metadata
+    --rank R                the Python code generated for rank R
+    --dot FILE / --svg FILE the stage graphs as DOT / rendered with graphviz's dot
+    --timeline FILE.png     the schedule as a Gantt chart (simulated, or --from-metrics RUN.json)
+    --memory                estimated peak memory per rank
 """
 
 from __future__ import annotations
@@ -15,13 +22,19 @@ import time
 from collections.abc import Sequence
 
 import torch
+from torch import fx
 
+from fxpar import draw
+from fxpar.compiler import PASSES, links_of
 from fxpar.compiler import compile as fx_compile
-from fxpar.compiler import links_of
+from fxpar.memory import memory_table
+from fxpar.metrics import load_metrics
+from fxpar.passdriver import HALO, TRACE, dump
 from fxpar.plan import SCHEDULES, SLICES, Plan, PlanError
+from fxpar.program import Program
 from fxpar.report import halo_table, node_table, rank_table, stage_table, totals_line
 from fxpar.schedule import format_grid
-from fxpar.simulate import simulate
+from fxpar.simulate import simulate, stage_costs
 from fxpar.trace import TraceError, trace
 from fxpar.zoo import ModelSpecError, build_model, parse_kwargs
 
@@ -30,10 +43,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fxpar-inspect", description="Trace a model on fake tensors (no image memory) and "
         "print its graph: every node's op, output shape, FLOPs and bytes.")
-    p.add_argument("model", help="torchvision:NAME, models:NAME or path/to/file.py:FACTORY")
+    p.add_argument("model", nargs="?",
+                   help="torchvision:NAME, models:NAME or path/to/file.py:FACTORY")
     p.add_argument("-k", "--model-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the model factory (repeatable)")
-    p.add_argument("--image-size", type=int, required=True, help="input height and width")
+    p.add_argument("--image-size", type=int, help="input height and width (required)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--channels", type=int, default=3, help="input channels (default 3)")
     p.add_argument("--num-classes", type=int, default=None,
@@ -51,63 +65,180 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--gems", action="store_true", help="bidirectional GEMS mirror copy")
     g.add_argument("--times", "--gems-times", type=int, default=1)
     g.add_argument("--data-parallel", "--local-DP", type=int, default=1)
+    v = p.add_argument_group("views (each replaces the default report)")
+    v.add_argument("--after", metavar="PASS", help=f"print the graph after PASS, one of: "
+                   f"{', '.join(PASS_NAMES)} (halo: the tile modules, tile 0 or --rank's)")
+    v.add_argument("--code", action="store_true", help="with --after: also the graph's code")
+    v.add_argument("--rank", type=int, default=None,
+                   help="print the code generated for this rank (with --after halo: show "
+                   "this rank's tiles instead; --dot draws its tiles)")
+    v.add_argument("--dot", metavar="FILE", help="write the stage graphs as graphviz DOT")
+    v.add_argument("--svg", metavar="FILE", help="render the stage graphs to SVG (needs dot)")
+    v.add_argument("--timeline", metavar="FILE.png",
+                   help="draw one training step as a Gantt chart, simulated from FLOPs")
+    v.add_argument("--from-metrics", metavar="RUN.json",
+                   help="with --timeline: draw a real run's last step (fxpar-run --metrics)")
+    v.add_argument("--memory", action="store_true", help="estimated peak memory per rank")
     return p
+
+
+PASS_NAMES = (TRACE, *(name for name, _ in PASSES), HALO)
+
+
+class UsageError(ValueError):
+    """A bad combination of options; the message says what to change."""
+
+
+def _views(args: argparse.Namespace) -> bool:
+    return any(x is not None and x is not False for x in (
+        args.after, args.rank, args.dot, args.svg, args.timeline, args.memory))
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.after is not None and args.after not in PASS_NAMES:
+        raise UsageError(f"unknown pass {args.after!r} for --after; valid names: "
+                         f"{', '.join(PASS_NAMES)}")
+    if args.code and args.after is None:
+        raise UsageError("--code prints the graph of --after PASS: add --after")
+    if args.from_metrics is not None and args.timeline is None:
+        raise UsageError("--from-metrics draws a timeline: add --timeline FILE.png")
+    if args.from_metrics is None and (args.model is None or args.image_size is None):
+        raise UsageError("give a model and --image-size (e.g. torchvision:resnet18 "
+                         "--image-size 224)")
+
+
+def _print_views(args: argparse.Namespace, program: Program, dumps: dict[str, str]) -> None:
+    """Everything the view options ask for, in the order of --help."""
+    plan = program.plan
+    if args.rank is not None and not 0 <= args.rank < program.world_size:
+        raise UsageError(f"--rank {args.rank} is outside this plan's {program.world_size} "
+                         f"rank(s): use 0..{program.world_size - 1}")
+    if args.after == HALO:
+        if program.spatial is None:
+            raise UsageError("--after halo shows the tile-rewritten spatial stages; this plan "
+                             "has none: add --spatial-parts P (P > 1)")
+        for s in range(program.spatial.spatial_stages):
+            gm = draw.stage_module(program, s, args.rank)
+            print(f"after pass 'halo': stage {s}, {type(gm).__name__} "
+                  f"({len(gm.graph.nodes)} nodes)")
+            print(dump(HALO, gm, args.code))
+    elif args.after is not None:
+        print(f"after pass {args.after!r}:")
+        print(dumps[args.after])
+    if args.rank is not None and args.after is None:
+        from fxpar.emit import rank_sources
+
+        for name, text in rank_sources(program, args.rank).items():
+            print(f"# ---- rank {args.rank}: {name} ----")
+            print(text.rstrip("\n"))
+    if args.dot is not None or args.svg is not None:
+        dot = draw.program_dot(program, args.rank)
+        if args.dot is not None:
+            with open(args.dot, "w") as f:
+                f.write(dot.source)
+            print(f"wrote {args.dot} (DOT, {len(dot.source):,} characters)")
+        if args.svg is not None:
+            print(f"wrote {draw.render_svg(dot, args.svg)} (SVG)")
+    if args.timeline is not None:
+        costs = {s: f / 1e9 for s, f in stage_costs(program).items()}
+        unit = not any(costs.values())
+        draw.draw_timeline(
+            draw.timeline_bars(program, None if unit else costs), args.timeline,
+            f"{args.model}: {plan.schedule}, {plan.stages} stage(s), {plan.microbatches} "
+            f"micro-batch(es){', GEMS' if plan.gems else ''} (simulated)",
+            "simulated time: ticks (F=1, B=2)" if unit else
+            "simulated time: forward GFLOP per rank (B = 2x F; communication free)")
+        print(f"wrote {args.timeline} (simulated timeline of {program.world_size} rank(s))")
+    if args.memory:
+        print(memory_table(program))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        kwargs = parse_kwargs(args.model_arg)
-        if args.num_classes is not None:
-            kwargs["num_classes"] = args.num_classes
-        model = build_model(args.model, meta=True, **kwargs)  # no parameter memory
-        dtype = getattr(torch, args.dtype)
-        model = model.to(dtype)
-        shape = (args.batch_size, args.channels, args.image_size, args.image_size)
-        example = torch.empty(shape, dtype=dtype, device="meta")
-        start = time.perf_counter()
-        program = None
-        if args.stages is None and args.spatial_parts == 1 and not args.gems and \
-                args.data_parallel == 1:
-            gm = trace(model, example)
-        else:
-            balance = tuple(int(b) for b in args.balance.split(",")) if args.balance else None
-            plan = Plan(stages=args.stages or 1, balance=balance,
-                        microbatches=args.microbatches, schedule=args.schedule,
-                        spatial_parts=args.spatial_parts, slice=args.slice,
-                        spatial_stages=args.spatial_stages, gems=args.gems,
-                        gems_times=args.times, data_parallel=args.data_parallel)
-            program = fx_compile(model, plan, example)
-            assert program.traced is not None
-            gm = program.traced
-        took = time.perf_counter() - start
-    except (ModelSpecError, TraceError, PlanError, ValueError, TypeError) as e:
+        return _main(args)
+    except (ModelSpecError, TraceError, PlanError, ValueError, TypeError,
+            draw.DotMissing, OSError) as e:
         print(f"fxpar-inspect: error: {e}", file=sys.stderr)
         return 2
+
+
+def _main(args: argparse.Namespace) -> int:
+    _check_args(args)
+    if args.from_metrics is not None:
+        metrics = load_metrics(args.from_metrics)
+        draw.draw_timeline(draw.bars_from_metrics(metrics), args.timeline,
+                           f"{metrics.get('model', '')}: last step of a real run on "
+                           f"{len(metrics['ranks'])} rank(s)",
+                           "seconds since the step's start on each rank")
+        print(f"wrote {args.timeline} (timeline of {args.from_metrics})")
+        return 0
+    views = _views(args)
+    dumps: dict[str, str] = {}
+
+    def after_pass(name: str, gm: fx.GraphModule) -> None:
+        if name == args.after:  # passes annotate in place: render now, not at the end
+            dumps[name] = dump(name, gm, args.code)
+
+    kwargs = parse_kwargs(args.model_arg)
+    if args.num_classes is not None:
+        kwargs["num_classes"] = args.num_classes
+    model = build_model(args.model, meta=True, **kwargs)  # no parameter memory
+    dtype = getattr(torch, args.dtype)
+    model = model.to(dtype)
+    shape = (args.batch_size, args.channels, args.image_size, args.image_size)
+    example = torch.empty(shape, dtype=dtype, device="meta")
+    start = time.perf_counter()
+    program = None
+    if not views and args.stages is None and args.spatial_parts == 1 and not args.gems and \
+            args.data_parallel == 1:
+        gm = trace(model, example)
+    else:
+        balance = tuple(int(b) for b in args.balance.split(",")) if args.balance else None
+        plan = Plan(stages=args.stages or 1, balance=balance,
+                    microbatches=args.microbatches, schedule=args.schedule,
+                    spatial_parts=args.spatial_parts, slice=args.slice,
+                    spatial_stages=args.spatial_stages, gems=args.gems,
+                    gems_times=args.times, data_parallel=args.data_parallel)
+        program = fx_compile(model, plan, example, after_pass=after_pass)
+        assert program.traced is not None
+        gm = program.traced
+    took = time.perf_counter() - start
     per = "" if program is None else f" (per micro-batch of {shape[0] // program.plan.chunks()})"
     print(f"model: {args.model}  input: {'x'.join(map(str, shape))} {args.dtype}  "
           f"nodes: {len(gm.graph.nodes)}  (traced and analysed in {took:.2f} s){per}")
+    if program is not None and views:
+        _print_views(args, program, dumps)
+    else:
+        _print_report(gm, program)
+    return 0
+
+
+def _print_report(gm: fx.GraphModule, program: Program | None) -> None:
+    """The default output: node table, totals; with a plan, its tiles, ranks, stages and
+    schedule."""
     print(node_table(gm))
     print(totals_line(gm))
-    if program is not None and program.spatial is not None:
+    if program is None:
+        return
+    plan = program.plan
+    if program.spatial is not None:
         print()
         print(halo_table(program))
-    if program is not None and program.world_size > 1:
+    if program.world_size > 1:
         print(f"\nrank map ({program.world_size} ranks):")
         print(rank_table(program))
-    if program is not None and program.plan.stages > 1:
-        print(f"\nstages: {program.plan.stages} on {program.world_size} ranks")
+    if plan.stages > 1:
+        print(f"\nstages: {plan.stages} on {program.world_size} ranks")
         print(stage_table(gm, program.graph))
-    if program is not None and (program.plan.stages > 1 or program.plan.gems):
-        print(f"\nschedule: {program.plan.schedule}, {program.plan.microbatches} micro-batches"
+    if plan.stages > 1 or plan.gems:
+        print(f"\nschedule: {plan.schedule}, {plan.microbatches} micro-batches"
               f"{', GEMS x2 copies' if plan.gems else ''} (one training step, step x rank)")
         print(format_grid(program.schedule))
         sim = simulate(program.schedule, links_of(program.graph))
         print(f"simulated bubble (F=1, B=2 ticks): {sim.bubble:.1%}; one copy's formula "
               f"(p-1)/(m+p-1) = "
               f"{(plan.stages - 1) / (plan.microbatches + plan.stages - 1):.1%}")
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,112 +1,361 @@
 """``fxpar-run``: train a zoo or user model under ``mpiexec`` with a parallel plan.
 
-    mpiexec -n 1 fxpar-run models:amoebanet -k num_layers=2 -k num_filters=32 \\
-        --image-size 256 --batch-size 4 --steps 5
+    mpiexec -n 5 fxpar-run models:amoebanet --num-layers 3 --num-filters 32 \\
+        --image-size 256 --batch-size 4 --steps 5 --split-size 2 --num-spatial-parts 4 \\
+        --parts 2 --metrics out.json
+    mpiexec -n 3 fxpar-run job/ --data images/ --epochs 2    # a folder from program.save()
 
 MPI4DL's flag names are accepted as aliases (``--split-size`` for ``--stages``, ``--parts``
-for ``--microbatches``, ...). Data is synthetic (fixed seed) unless a dataset is given.
+for ``--microbatches``, ...). Data is synthetic (fixed seed) unless ``--data DIR`` names an image
+folder; each spatial rank then reads only its tile (plus halo) of each image (fxpar.data).
+Rank 0 prints a progress line per step and, at the end, a per-rank table (stage, tile, peak
+memory, compute vs communication time); ``--metrics FILE`` writes the same as JSON
+(fxpar.metrics). Every user error (bad plan, model, data) is reported before any rank talks
+to another, as ``fxpar-run: error: ...`` with exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from fxpar.checkpoint import CheckpointError
+from fxpar.comm import Comm, world
 from fxpar.compiler import compile as fx_compile
+from fxpar.data import (
+    Batch,
+    BatchSource,
+    DataError,
+    FolderBatches,
+    ImageFolder,
+    Synthetic,
+    describe,
+)
+from fxpar.metrics import Recorder, gather, table, write_metrics
 from fxpar.plan import SCHEDULES, SLICES, Plan, PlanError
+from fxpar.program import _LAUNCHER_VARS, RankProgram
+from fxpar.spatial.geometry import Rect
 from fxpar.trace import TraceError
 from fxpar.zoo import ModelSpecError, build_model, parse_kwargs
+
+# (dest, flag, default) of the plan flags: defaults are applied after parsing, so a saved
+# program can tell which plan flags were given (they are an error there: its plan is fixed).
+PLAN_FLAGS = (("stages", "--stages/--split-size", 1), ("balance", "--balance", None),
+              ("microbatches", "--microbatches/--parts", 1), ("schedule", "--schedule", "gpipe"),
+              ("spatial_parts", "--spatial-parts/--num-spatial-parts", 1),
+              ("slice", "--slice/--slice-method", "square"),
+              ("spatial_stages", "--spatial-stages/--spatial-size", 1), ("gems", "--gems", False),
+              ("times", "--times", 1), ("data_parallel", "--data-parallel/--local-DP", 1))
+MODEL_FLAGS = (("model_arg", "-k"), ("num_layers", "--num-layers"),
+               ("num_filters", "--num-filters"))
+USER_ERRORS = (PlanError, ModelSpecError, TraceError, DataError, CheckpointError, ValueError,
+               TypeError)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fxpar-run", description="Compile a model for a parallel "
                                 "plan and train it (run under mpiexec -n WORLD_SIZE).")
-    p.add_argument("model", help="torchvision:NAME, models:NAME or path/to/file.py:FACTORY")
-    p.add_argument("-k", "--model-arg", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("model", help="torchvision:NAME, models:NAME, path/to/file.py:FACTORY, or a "
+                   "folder written by program.save() (its plan, model and batch size are used)")
+    p.add_argument("-k", "--model-arg", action="append", default=None, metavar="KEY=VALUE",
                    help="keyword argument for the model factory (repeatable)")
-    p.add_argument("--image-size", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8, help="global batch per step")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="image height = width (default 256) [--image-size]")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="global batch per step (default 8) [--batch-size]")
     p.add_argument("--channels", type=int, default=3)
-    p.add_argument("--num-classes", type=int, default=10)
-    p.add_argument("--num-layers", type=int, help="AmoebaNet-D: normal cells")
-    p.add_argument("--num-filters", type=int, help="AmoebaNet-D: filters")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--num-classes", type=int, default=10, help="[--num-classes]")
+    p.add_argument("--num-layers", type=int, help="AmoebaNet-D: normal cells [--num-layers]")
+    p.add_argument("--num-filters", type=int, help="AmoebaNet-D: filters [--num-filters]")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 10)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="with --data: passes over the data; steps = epochs x (images // batch), "
+                   "each epoch drops its last partial batch")
+    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--data", type=Path, default=None, metavar="DIR",
+                   help="image folder DIR/<class>/<image> (.npy, PNG, JPEG, TIFF); every image "
+                   "image-size x image-size; default: synthetic data")
+    p.add_argument("--no-shuffle", action="store_true", help="with --data: keep file order")
+    p.add_argument("--log-every", type=int, default=None, metavar="K",
+                   help="progress line every K steps (default 1, or about 50 lines in all)")
+    p.add_argument("--metrics", type=Path, default=None, metavar="OUT.json",
+                   help="write per-rank metrics (format: fxpar.metrics) on rank 0")
+    p.add_argument("--save-program", type=Path, default=None, metavar="DIR",
+                   help="write the compiled per-rank programs to DIR (fxpar.emit); without "
+                   "mpiexec: write every rank's and exit; under mpiexec each rank writes its "
+                   "own, then trains (--steps 0: only write)")
+    p.add_argument("--checkpoint", type=Path, default=None, metavar="DIR",
+                   help="save a sharded checkpoint to DIR at the end (fxpar.checkpoint)")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help="with --checkpoint: also every K steps")
+    p.add_argument("--resume", type=Path, default=None, metavar="DIR",
+                   help="continue from the checkpoint in DIR (same plan and ranks)")
     g = p.add_argument_group("plan (MPI4DL's names in brackets)")
-    g.add_argument("--stages", "--split-size", type=int, default=1, help="[--split-size]")
-    g.add_argument("--balance", type=str, default=None,
-                   help="comma-separated node counts per stage [--balance]")
-    g.add_argument("--microbatches", "--parts", type=int, default=1, help="[--parts]")
-    g.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
-    g.add_argument("--spatial-parts", "--num-spatial-parts", type=int, default=1,
-                   help="[--num-spatial-parts]")
-    g.add_argument("--slice", "--slice-method", choices=SLICES, default="square",
-                   help="[--slice-method]")
-    g.add_argument("--spatial-stages", "--spatial-size", type=int, default=1,
-                   help="[--spatial-size]")
-    g.add_argument("--gems", action="store_true")
-    g.add_argument("--times", "--gems-times", type=int, default=1, help="[--times]")
-    g.add_argument("--data-parallel", "--local-DP", type=int, default=1, help="[--local-DP]")
+    g.add_argument("--stages", "--split-size", type=int, help="[--split-size] default 1")
+    g.add_argument("--balance", type=str, help="comma-separated node counts per stage "
+                   "[--balance]")
+    g.add_argument("--microbatches", "--parts", type=int, help="[--parts] default 1")
+    g.add_argument("--schedule", choices=SCHEDULES, help="default gpipe")
+    g.add_argument("--spatial-parts", "--num-spatial-parts", type=int,
+                   help="[--num-spatial-parts] default 1")
+    g.add_argument("--slice", "--slice-method", choices=SLICES,
+                   help="[--slice-method] default square")
+    g.add_argument("--spatial-stages", "--spatial-size", type=int,
+                   help="[--spatial-size] default 1")
+    g.add_argument("--gems", action="store_true", default=None)
+    g.add_argument("--times", "--gems-times", type=int, help="[--times] default 1")
+    g.add_argument("--data-parallel", "--local-DP", type=int, help="[--local-DP] default 1")
     return p
 
 
 def plan_from_args(a: argparse.Namespace) -> Plan:
-    balance = tuple(int(b) for b in a.balance.split(",")) if a.balance else None
-    return Plan(stages=a.stages, balance=balance, microbatches=a.microbatches,
-                schedule=a.schedule, spatial_parts=a.spatial_parts, slice=a.slice,
-                spatial_stages=a.spatial_stages, gems=a.gems, gems_times=a.times,
-                data_parallel=a.data_parallel)
+    v = {dest: default if getattr(a, dest) is None else getattr(a, dest)
+         for dest, _, default in PLAN_FLAGS}
+    balance = tuple(int(b) for b in v["balance"].split(",")) if v["balance"] else None
+    return Plan(stages=v["stages"], balance=balance, microbatches=v["microbatches"],
+                schedule=v["schedule"], spatial_parts=v["spatial_parts"], slice=v["slice"],
+                spatial_stages=v["spatial_stages"], gems=v["gems"], gems_times=v["times"],
+                data_parallel=v["data_parallel"])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    a = parser().parse_args(argv)
+class SavedOnly(Exception):  # noqa: N818 - not an error: the run ends after saving
+    """``--save-program`` outside mpiexec: the programs are written, nothing trains."""
+
+    def __init__(self, folder: Path, world_size: int) -> None:
+        super().__init__(folder, world_size)
+        self.folder, self.world_size = folder, world_size
+
+
+@dataclass
+class Job:
+    """Everything set up and checked before training."""
+
+    rp: RankProgram
+    source: BatchSource
+    window: Rect | None
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    compile_s: float
+
+
+def _source(a: argparse.Namespace, shape: tuple[int, int, int, int],
+            dtype: torch.dtype) -> BatchSource:
+    """The data source; sets ``a.steps`` (from --epochs with --data). Raises DataError."""
+    if a.data is None:
+        if a.epochs is not None:
+            raise DataError("--epochs needs --data DIR (synthetic data has no epochs): "
+                            "use --steps")
+        a.steps = 10 if a.steps is None else a.steps
+        return Synthetic(shape, a.num_classes, dtype, a.seed)
+    data = ImageFolder.scan(a.data, shape[2], shape[1])
+    if len(data.classes) > a.num_classes:
+        raise DataError(f"--data {a.data} has {len(data.classes)} classes but the model has "
+                        f"--num-classes {a.num_classes}: raise --num-classes")
+    src = FolderBatches(data, shape[0], dtype, a.seed, shuffle=not a.no_shuffle)
+    if a.epochs is not None and a.steps is not None:
+        raise DataError("give --steps or --epochs, not both")
+    if a.epochs is not None:
+        a.steps = a.epochs * src.steps_per_epoch
+    a.steps = 10 if a.steps is None else a.steps
+    return src
+
+
+def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
+    if a.model_arg is None:
+        a.model_arg = []
+    a.batch_size = 8 if a.batch_size is None else a.batch_size
+    a.image_size = 256 if a.image_size is None else a.image_size
     torch.manual_seed(a.seed)  # every rank builds the same initial model
     dtype = getattr(torch, a.dtype)
+    plan = plan_from_args(a)
+    plan.check_batch(a.batch_size)
+    shape = (a.batch_size, a.channels, a.image_size, a.image_size)
+    source = _source(a, shape, dtype)
+    kwargs = parse_kwargs(a.model_arg)
+    kwargs.setdefault("num_classes", a.num_classes)
+    if a.num_layers is not None:
+        kwargs["num_layers"] = a.num_layers
+    if a.num_filters is not None:
+        kwargs["num_filters"] = a.num_filters
+    model = build_model(a.model, **kwargs).to(dtype)
+    t0 = time.perf_counter()
+    program = fx_compile(model, plan, torch.empty(shape, dtype=dtype, device="meta"),
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
+    took = time.perf_counter() - t0
+    if a.save_program is not None and comm is None and \
+            not any(v in os.environ for v in _LAUNCHER_VARS):
+        raise SavedOnly(program.save(a.save_program), program.world_size)
+    rp = program.local(comm)
+    if a.save_program is not None:  # each rank writes its own folder, rank 0 the manifest
+        from fxpar.emit import save
+
+        save(program, a.save_program, ranks=[rp.rank], manifest=rp.rank == 0)
+    return Job(rp, source, rp.input_window(), shape, dtype, took)
+
+
+def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:
+    """A program folder written by ``program.save``: its plan, model and batch size."""
+    from fxpar.emit import load, read_program
+
+    given = [flag for dest, flag, _ in PLAN_FLAGS if getattr(a, dest) is not None]
+    given += [flag for dest, flag in MODEL_FLAGS if getattr(a, dest) is not None]
+    if given:
+        raise PlanError(f"{a.model} is a saved program, whose plan and model are fixed: drop "
+                        f"{', '.join(given)} (or compile again from the model)")
+    info = read_program(a.model)
+    n = int(info["world_size"])
+    if comm is not None or any(v in os.environ for v in _LAUNCHER_VARS):
+        size = (comm if comm is not None else world()).size
+        if size != n:
+            raise PlanError(f"{a.model} was compiled for {n} ranks but the job has {size}: "
+                            f"run it with `mpiexec -n {n}`")
+    batch = int(info["batch_size"])
+    if a.batch_size is not None and a.batch_size != batch:
+        raise PlanError(f"{a.model} was compiled for a batch of {batch}, not --batch-size "
+                        f"{a.batch_size}: drop --batch-size")
+    a.batch_size = batch
+    if info.get("input_shape"):
+        _, a.channels, a.image_size, _ = info["input_shape"]
+    elif a.image_size is None:
+        raise PlanError(f"{a.model}/program.json does not record the input size: give "
+                        f"--image-size (and --channels if not 3)")
+    shape = (batch, a.channels, a.image_size, a.image_size)
+    source = _source(a, shape, getattr(torch, a.dtype))
+    rp = load(a.model, comm, optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
+    dtype = next((p.dtype for p in rp.parameters()), getattr(torch, a.dtype))
+    if hasattr(source, "dtype"):
+        source.dtype = dtype  # the saved weights decide
+    a.dtype = str(dtype).removeprefix("torch.")
+    return Job(rp, source, rp.input_window(image=shape[2:]), shape, dtype, 0.0)
+
+
+def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
+    """Check everything (plan, model, data), then build this rank's program. Raises one of
+    USER_ERRORS before any communication."""
+    if a.log_every is not None and a.log_every < 1:
+        raise ValueError("--log-every must be >= 1")
+    if a.checkpoint_every is not None and (a.checkpoint is None or a.checkpoint_every < 1):
+        raise ValueError("--checkpoint-every K needs --checkpoint DIR and K >= 1")
+    if a.resume is not None:
+        from fxpar.checkpoint import read_manifest
+
+        read_manifest(a.resume)  # a missing or foreign folder fails here, on every rank
+    if Path(a.model).is_dir():
+        return _saved(a, comm)
+    return _compiled(a, comm)
+
+
+def train(rp: RankProgram, batches: Callable[[int], Batch], args: argparse.Namespace,
+          start_step: int = 0, after_step: Callable[[int], None] | None = None) -> Recorder:
+    """Steps ``start_step .. args.steps - 1`` on ``batches(step)``; rank 0 prints a progress
+    line (step, loss, images/s) every ``args.log_every`` steps and at the last one.
+    after_step(n): called after step n (1-based) finishes (checkpoints)."""
+    rec = Recorder(rp)
+    every = args.log_every or max(1, args.steps // 50)
+    for step in range(start_step, args.steps):
+        t = time.perf_counter()
+        x, y = batches(step)
+        data_s = time.perf_counter() - t
+        loss, took = rec.step(x, y)
+        n = step + 1
+        if rp.rank == 0 and (n % every == 0 or n == args.steps or n == start_step + 1):
+            print(f"step {n:>4}/{args.steps}  loss {loss:.6f}  {args.batch_size / took:8.2f} "
+                  f"img/s  ({took:.3f} s, data {data_s:.3f} s)", flush=True)
+        if after_step is not None:
+            after_step(n)
+    return rec
+
+
+def finish(job: Job, rec: Recorder, a: argparse.Namespace) -> dict[str, Any] | None:
+    """Collective: gather the metrics; rank 0 prints the table and writes --metrics."""
+    metrics = gather(rec, str(a.model), a.batch_size)
+    if metrics is None:
+        return None
+    print(table(metrics))
+    if a.metrics is not None:
+        print(f"metrics: {write_metrics(a.metrics, metrics)}")
+    if rec.steps:
+        first = 2 if len(rec.steps) > 1 else 1
+        print(f"done: median {metrics['images_per_s']:.2f} img/s over steps "
+              f"{first}..{a.steps} (step 1 includes warm-up)", flush=True)
+    return metrics
+
+
+def _resume(rp: RankProgram, a: argparse.Namespace) -> int | None:
+    """The step to start from (--resume: the checkpoint's); None after a resume error, on every
+    rank alike (the ranks agree first, so none goes on training alone)."""
+    if a.resume is None:
+        return 0
+    from fxpar.checkpoint import CheckpointError, load
+
+    step, error = None, None
     try:
-        plan = plan_from_args(a)
-        plan.check_batch(a.batch_size)
-        kwargs = parse_kwargs(a.model_arg)
-        kwargs.setdefault("num_classes", a.num_classes)
-        if a.num_layers is not None:
-            kwargs["num_layers"] = a.num_layers
-        if a.num_filters is not None:
-            kwargs["num_filters"] = a.num_filters
-        model = build_model(a.model, **kwargs).to(dtype)
-        shape = (a.batch_size, a.channels, a.image_size, a.image_size)
-        t0 = time.perf_counter()
-        program = fx_compile(model, plan, torch.empty(shape, dtype=dtype, device="meta"),
-                             optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
-        rp = program.local()
-    except (PlanError, ModelSpecError, TraceError, ValueError, TypeError) as e:
+        step = load(rp, a.resume)
+    except CheckpointError as e:
+        error = str(e)
+    errors = [error] if rp.comm is None else rp.comm.allgather_object(error)
+    if any(errors):
+        if rp.rank == 0:
+            bad = next(e for e in errors if e)
+            print(f"fxpar-run: error: {bad}", file=sys.stderr)
+        return None
+    if rp.rank == 0:
+        print(f"resumed from {a.resume} at step {step}", flush=True)
+    return step
+
+
+def _checkpoint(rp: RankProgram, a: argparse.Namespace, n: int) -> None:
+    """Collective: save --checkpoint after step n when it is due (every K steps, and the last)."""
+    if a.checkpoint is None:
+        return
+    if n == a.steps or (a.checkpoint_every and n % a.checkpoint_every == 0):
+        from fxpar.checkpoint import save
+
+        save(rp, a.checkpoint, n)
+        if rp.rank == 0:
+            print(f"checkpoint: step {n} -> {a.checkpoint}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
+    """The command line. comm: run on this communicator instead of every MPI rank (tests)."""
+    a = parser().parse_args(argv)
+    try:
+        job = setup(a, comm)
+    except SavedOnly as done:
+        print(f"fxpar-run: wrote the programs of {done.world_size} rank(s) to {done.folder}; "
+              f"run them with `mpiexec -n {done.world_size} fxpar-run {done.folder}`")
+        return 0
+    except USER_ERRORS as e:
         print(f"fxpar-run: error: {e}", file=sys.stderr)
         return 2
-    lead = rp.rank == 0
-    if lead:
-        print(f"fxpar-run: {a.model} {'x'.join(map(str, shape))} {a.dtype} on "
-              f"{program.world_size} rank(s); compiled in {time.perf_counter() - t0:.2f} s",
-              flush=True)
-    gen = torch.Generator().manual_seed(a.seed + 1)
-    x = torch.randn(shape, generator=gen, dtype=dtype)
-    y = torch.randint(0, a.num_classes, (a.batch_size,), generator=gen)
-    rates = []
-    for step in range(1, a.steps + 1):
-        t = time.perf_counter()
-        loss = rp.train_step(x, y)
-        dt = time.perf_counter() - t
-        rates.append(a.batch_size / dt)
-        if lead:
-            print(f"step {step:>4}/{a.steps}  loss {loss:.4f}  {a.batch_size / dt:8.2f} img/s  "
-                  f"({dt:.3f} s)", flush=True)
-    if lead and rates:
-        steady = sorted(rates[1:] or rates)
-        print(f"done: median {steady[len(steady) // 2]:.2f} img/s over steps "
-              f"{2 if len(rates) > 1 else 1}..{a.steps} (step 1 includes warm-up)")
+    rp = job.rp
+    if rp.rank == 0:
+        print(f"fxpar-run: {a.model} {'x'.join(map(str, job.shape))} {a.dtype} on "
+              f"{rp.program.world_size} rank(s); compiled in {job.compile_s:.2f} s; "
+              f"{describe(job.source)}", flush=True)
+    start = _resume(rp, a)
+    if start is None:
+        return 2
+    try:
+        rec = train(rp, lambda step: job.source.batch(step, job.window), a, start,
+                    lambda n: _checkpoint(rp, a, n))
+        finish(job, rec, a)
+    except Exception:
+        if rp.comm is None or rp.comm.size == 1:
+            raise
+        traceback.print_exc()  # one rank failing must end them all, never leave them waiting
+        rp.comm.abort(1)
     return 0
 
 

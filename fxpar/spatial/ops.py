@@ -59,30 +59,17 @@ def _window(x: torch.Tensor, ex: Exchange, key: str, replicated: bool, tag: int
             ) -> tuple[torch.Tensor, Pieces]:
     """Forward of a halo exchange: this rank's window ``ex.need`` of ``x``, and the pieces
     received from other tiles (to rebuild the window later without communicating)."""
-    n, c = x.shape[:2]
-    out = x.new_full((n, c, *ex.need.shape), ex.fill)
     if replicated:  # every rank holds the whole tensor: slice, no messages
-        full = Rect((0, ex.extent[0]), (0, ex.extent[1]))
-        inside = ex.need.intersect(full)
-        if inside is not None:
-            _region(out, ex.need, inside).copy_(_region(x, full, inside))
-        return out, []
+        return _rebuild(x, ex, True, []), []
     comm = group(key)
-    reqs: list[Request] = []
-    pieces: Pieces = []
-    for src, rect in ex.recvs:
-        buf = x.new_empty((n, c, *rect.shape))
-        reqs.append(comm.irecv(buf, src, tag=tag))
-        pieces.append((rect, buf))
-    for dst, rect in ex.sends:
-        reqs.append(comm.isend(_region(x, ex.own, rect).contiguous(), dst, tag=tag))
-    local = ex.local
-    if local is not None:
-        _region(out, ex.need, local).copy_(_region(x, ex.own, local))
+    n, c = x.shape[:2]
+    pieces: Pieces = [(rect, x.new_empty((n, c, *rect.shape))) for _, rect in ex.recvs]
+    reqs: list[Request] = [comm.irecv(buf, src, tag=tag)
+                           for (src, _), (_, buf) in zip(ex.recvs, pieces, strict=True)]
+    reqs += [comm.isend(_region(x, ex.own, rect).contiguous(), dst, tag=tag)
+             for dst, rect in ex.sends]
     Comm.waitall(reqs)
-    for rect, buf in pieces:
-        _region(out, ex.need, rect).copy_(buf)
-    return out, pieces
+    return _rebuild(x, ex, False, pieces), pieces
 
 
 def _rebuild(x: torch.Tensor, ex: Exchange, replicated: bool, pieces: Pieces) -> torch.Tensor:
@@ -198,6 +185,11 @@ class Halo(nn.Module):
         self.replicated = replicated
         self.tag = tag  # forward messages use tag, backward tag + 1 (unique per halo node)
 
+    def emit_args(self) -> dict[str, Any]:
+        """The constructor's arguments (fxpar.emit writes ``Halo(**these)`` as code)."""
+        return {"exchange": self.exchange, "key": self.key, "replicated": self.replicated,
+                "tag": self.tag}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Retile.apply(x, self.exchange, self.key, self.replicated, self.tag)
 
@@ -249,6 +241,9 @@ class Join(nn.Module):
     def __init__(self, rects: tuple[Rect, ...], tile: int, key: str, tag: int = 10) -> None:
         super().__init__()
         self.rects, self.tile, self.key, self.tag = rects, tile, key, tag
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"rects": self.rects, "tile": self.tile, "key": self.key, "tag": self.tag}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Join.apply(x, self.rects, self.tile, self.key, self.tag)
@@ -341,10 +336,14 @@ class AvgDivisor(nn.Module):
 
     def __init__(self, rows: list[int], cols: list[int]) -> None:
         super().__init__()
+        self.counts = (list(rows), list(cols))
         self.register_buffer("rows", torch.tensor(rows, dtype=torch.float64).view(-1, 1),
                              persistent=False)
         self.register_buffer("cols", torch.tensor(cols, dtype=torch.float64).view(1, -1),
                              persistent=False)
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"rows": self.counts[0], "cols": self.counts[1]}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x / (self.rows * self.cols).to(x.dtype)
@@ -359,6 +358,10 @@ class HaloOp(nn.Module):
         super().__init__()
         self.exchange, self.key, self.kind, self.cfg = exchange, key, kind, cfg
         self.replicated, self.tag = replicated, tag
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"exchange": self.exchange, "key": self.key, "kind": self.kind,
+                "cfg": self.cfg, "replicated": self.replicated, "tag": self.tag}
 
     def compute(self, window: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         c = self.cfg

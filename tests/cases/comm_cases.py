@@ -1,5 +1,7 @@
 """Comm primitives on real ranks (run by tests/test_comm.py under mpiexec)."""
 
+import time
+
 import torch
 
 from fxpar.comm import world
@@ -78,3 +80,10 @@ def case_fails_on_rank_1() -> None:
     if c.rank == 1:
         raise RuntimeError("injected failure on rank 1")
     c.recv(torch.empty(1), 1)
+
+
+def case_fails_after_peers_left() -> None:
+    """The job's last case fails on rank 0 after every other rank has finished and exited."""
+    if world().rank == 0:
+        time.sleep(1.5)
+        raise RuntimeError("injected late failure on rank 0")

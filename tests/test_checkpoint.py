@@ -1,0 +1,345 @@
+"""Checkpoints and meta-device materialisation without MPI: one-rank programs, hand-written
+shards, error messages, the command line. (The multi-rank claims -- bitwise resume, export and
+import across plans, per-rank materialisation under mpiexec -- are in tests/cases/
+checkpoint_cases.py and meta_cases.py, run by tests/test_programs.py.)"""
+
+import copy
+import json
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+from torch import nn
+
+import fxpar
+from fxpar import checkpoint
+from fxpar.checkpoint import CheckpointError
+from fxpar.materialize import MaterializeError, materialize, materialize_model, module_seed
+
+SHAPE = (4, 3, 8, 8)
+
+
+def tiny() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def one_rank(seed: int = 0, plan: fxpar.Plan | None = None, model: nn.Module | None = None):
+    torch.manual_seed(seed)
+    model = model if model is not None else tiny().double()
+    program = fxpar.compile(model, plan or fxpar.Plan(),
+                            torch.empty(SHAPE, dtype=torch.float64, device="meta"),
+                            optimizer=sgd)
+    return program.for_rank(0), model
+
+
+def batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(SHAPE, dtype=torch.float64, generator=g),
+            torch.randint(0, 3, (SHAPE[0],), generator=g))
+
+
+def state(rp) -> list[tuple[str, torch.Tensor]]:
+    out = [(k, v.clone()) for k, v in rp.state_dict().items()]
+    out += [(f"momentum {n}", rp.optimizer.state[p]["momentum_buffer"].clone())
+            for n, p in rp.named_parameters()]
+    return out
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A one-rank program trained one step and saved at step 1 (with its state then)."""
+    rp, _ = one_rank()
+    rp.train_step(*batch())
+    checkpoint.save(rp, tmp_path, step=1, extra={"epoch": 3})
+    return tmp_path, rp, state(rp)
+
+
+# -- save / load ---------------------------------------------------------------------------------
+def test_save_writes_one_shard_and_the_manifest_only(saved):
+    folder, rp, _ = saved
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.json", "rank00000.pt"]
+    manifest = checkpoint.read_manifest(folder)
+    assert manifest["step"] == 1 and manifest["world_size"] == 1
+    assert manifest["extra"] == {"epoch": 3}
+    assert manifest["names"] == list(rp.program.names)
+    assert manifest["parameters"] == [n for n, _ in rp.named_parameters()]
+    assert manifest["ranks"] == [{"rank": 0, "file": "rank00000.pt",
+                                  "roles": [{"dp": 0, "copy": 0, "stage": 0, "tile": 0}]}]
+
+
+def test_load_restores_in_place_and_returns_the_step(saved):
+    folder, _, want = saved
+    rp, _ = one_rank(seed=5)
+    rp.train_step(*batch(2))  # momentum buffers exist and differ
+    objects = [id(p) for p in rp.parameters()]
+    assert checkpoint.load(rp, folder) == 1
+    assert [id(p) for p in rp.parameters()] == objects
+    got = state(rp)
+    assert [k for k, _ in got] == [k for k, _ in want]
+    for (k, a), (_, b) in zip(got, want, strict=True):
+        assert torch.equal(a, b), k
+    assert any(k.endswith("num_batches_tracked") for k, _ in got)
+
+
+def test_load_restores_the_rng_state(tmp_path):
+    rp, _ = one_rank()
+    torch.manual_seed(42)
+    checkpoint.save(rp, tmp_path, step=0)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    checkpoint.load(rp, tmp_path)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_resume_continues_like_one_uninterrupted_run(saved):
+    folder, first, _ = saved
+    straight, _ = one_rank()
+    for seed in (1, 2, 3):
+        straight.train_step(*batch(seed))
+    resumed, _ = one_rank(seed=11)
+    checkpoint.load(resumed, folder)
+    for seed in (2, 3):
+        resumed.train_step(*batch(seed))
+    for (k, a), (_, b) in zip(state(resumed), state(straight), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_load_of_another_plan_says_to_use_the_same_plan_or_export(saved):
+    folder, _, _ = saved
+    other = fxpar.compile(tiny().double(), fxpar.Plan(stages=2),
+                          torch.empty(SHAPE, dtype=torch.float64, device="meta"), optimizer=sgd)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.load(other.for_rank(0), folder)
+    msg = str(e.value)
+    assert "it has 1 ranks, this program 2" in msg and "stages=1 (now 2)" in msg
+    assert "same model and plan" in msg and "export" in msg and "load_state_dict" in msg
+
+
+def test_load_of_another_model_is_refused(saved):
+    folder, _, _ = saved
+    model = nn.Sequential(nn.Conv2d(3, 3, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten()).double()
+    rp, _ = one_rank(model=model)
+    with pytest.raises(CheckpointError, match="another model"):
+        checkpoint.load(rp, folder)
+
+
+def test_a_shard_of_another_step_means_an_unfinished_save(saved):
+    folder, _, _ = saved
+    manifest = json.loads((folder / "checkpoint.json").read_text())
+    manifest["step"] = 2
+    (folder / "checkpoint.json").write_text(json.dumps(manifest))
+    rp, _ = one_rank()
+    with pytest.raises(CheckpointError, match="from step 1 but .* from step 2"):
+        checkpoint.load(rp, folder)
+
+
+def test_missing_manifest_and_bad_extra_are_explained(tmp_path):
+    with pytest.raises(CheckpointError, match="not a \\(complete\\) fxpar checkpoint"):
+        checkpoint.read_manifest(tmp_path)
+    rp, _ = one_rank()
+    with pytest.raises(TypeError, match="JSON values"):
+        checkpoint.save(rp, tmp_path, step=0, extra={"x": torch.zeros(1)})
+    assert not (tmp_path / "checkpoint.json").exists()
+
+
+def test_save_without_a_communicator_on_a_multi_rank_plan_is_refused(tmp_path):
+    program = fxpar.compile(tiny().double(), fxpar.Plan(stages=2), SHAPE)
+    with pytest.raises(CheckpointError, match="collective"):
+        checkpoint.save(program.for_rank(0), tmp_path, step=0)
+
+
+# -- export ---------------------------------------------------------------------------------
+def test_export_of_a_one_rank_checkpoint_is_the_state_dict(saved):
+    folder, rp, _ = saved
+    exported = checkpoint.export(folder)
+    assert list(exported) == list(rp.state_dict())
+    for k, v in rp.state_dict().items():
+        assert torch.equal(exported[k], v), k
+
+
+def _write_shards(folder):
+    """A hand-written 2-rank GEMS checkpoint: rank 0 holds (copy 0, stage 0) and (copy 1,
+    stage 1), rank 1 the other two; copy 1 holds different values, which export must skip."""
+    a = {"w0": torch.tensor([1.0]), "b0": torch.tensor([2.0])}
+    b = {"w1": torch.tensor([3.0]), "n1": torch.tensor(4)}
+    junk = lambda sd: {k: v * 0 - 1 for k, v in sd.items()}  # noqa: E731
+    shards = {0: {(0, 0): a, (1, 1): junk(b)}, 1: {(0, 1): b, (1, 0): junk(a)}}
+    for r, stages in shards.items():
+        torch.save({"format": 1, "rank": r, "step": 7, "stages": stages, "optimizer": None,
+                    "rng": torch.get_rng_state()}, folder / f"rank{r:05d}.pt")
+    manifest = {"format": "fxpar-checkpoint", "version": 1, "step": 7, "world_size": 2,
+                "plan": {"stages": 2, "gems": True}, "names": ["w0", "b0", "unused", "w1", "n1"],
+                "parameters": ["w0", "b0", "w1"], "unsaved": ["unused"],
+                "ranks": [{"rank": r, "file": f"rank{r:05d}.pt", "roles": []} for r in (0, 1)],
+                "holders": {"w0": [0, 0, 0], "b0": [0, 0, 0], "w1": [1, 0, 1], "n1": [1, 0, 1]},
+                "extra": None}
+    (folder / "checkpoint.json").write_text(json.dumps(manifest))
+    return a | b
+
+
+def test_export_reads_copy_0_in_the_model_order(tmp_path):
+    want = _write_shards(tmp_path)
+    got = checkpoint.export(tmp_path)
+    assert list(got) == ["w0", "b0", "w1", "n1"]
+    for k in got:
+        assert torch.equal(got[k], want[k]), k
+    (tmp_path / "rank00001.pt").unlink()
+    with pytest.raises(CheckpointError, match="rank00001.pt is missing"):
+        checkpoint.export(tmp_path)
+
+
+def test_export_command_writes_the_state_dict(tmp_path, capsys):
+    want = _write_shards(tmp_path)
+    out = tmp_path / "model.pt"
+    assert checkpoint.main(["export", str(tmp_path), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}: 4 tensors (3 parameters, 1 buffers" in printed
+    assert "of step 7, from a 2-rank checkpoint" in printed
+    assert "(used by no stage): unused" in printed
+    got = torch.load(out, weights_only=True)
+    assert list(got) == ["w0", "b0", "w1", "n1"] and torch.equal(got["w1"], want["w1"])
+    assert checkpoint.main(["info", str(tmp_path)]) == 0
+    assert "step 7, 2 ranks" in capsys.readouterr().out
+    assert checkpoint.main(["export", str(tmp_path / "nothing"), str(out)]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_python_m_fxpar_checkpoint_export(saved, tmp_path):
+    folder, rp, _ = saved
+    out = tmp_path / "single.pt"
+    run = subprocess.run([sys.executable, "-m", "fxpar.checkpoint", "export", str(folder),
+                          str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"wrote {out}: ")
+    plain = tiny().double()
+    plain.load_state_dict(torch.load(out, weights_only=True))
+    for k, v in rp.state_dict().items():
+        assert torch.equal(plain.state_dict()[k], v), k
+
+
+# -- import (RankProgram.load_state_dict) ----------------------------------------------------
+def test_load_state_dict_loads_this_ranks_keys_in_place():
+    torch.manual_seed(3)
+    source = tiny().double()
+    program = fxpar.compile(tiny().double(), fxpar.Plan(stages=2),
+                            torch.empty(SHAPE, dtype=torch.float64, device="meta"))
+    rp = program.for_rank(1)
+    objects = [id(p) for p in rp.parameters()]
+    loaded = rp.load_state_dict(source.state_dict())
+    assert loaded == list(rp.state_dict()) and "0.weight" not in loaded  # stage 0: rank 0
+    assert [id(p) for p in rp.parameters()] == objects
+    for k, v in rp.state_dict().items():
+        assert torch.equal(v, source.state_dict()[k]), k
+
+
+def test_load_state_dict_strict_lists_missing_and_unknown_keys():
+    rp, _ = one_rank()
+    partial = dict(tiny().double().state_dict())
+    del partial["1.running_mean"], partial["8.bias"]
+    with pytest.raises(CheckpointError, match="missing 2 key.*1.running_mean, 8.bias"):
+        rp.load_state_dict(partial)
+    with pytest.raises(CheckpointError, match="1 key.*does not have: extra"):
+        rp.load_state_dict({**tiny().double().state_dict(), "extra": torch.zeros(1)})
+    before = rp.state_dict()["8.bias"].clone()
+    assert "8.bias" not in rp.load_state_dict(partial, strict=False)
+    assert torch.equal(rp.state_dict()["8.bias"], before)
+
+
+def test_load_state_dict_of_the_wrong_shape_names_the_stage():
+    rp, _ = one_rank()
+    bad = tiny().double().state_dict()
+    bad["8.weight"] = torch.zeros(5, 4, dtype=torch.float64)
+    with pytest.raises(CheckpointError,
+                       match=r"(?s)\(copy, stage\) \(0, 0\).*size mismatch for 8.weight"):
+        rp.load_state_dict(bad)
+
+
+# -- materialisation ------------------------------------------------------------------------
+def meta_tiny() -> nn.Module:
+    with torch.device("meta"):
+        return tiny().double()
+
+
+def test_module_seed_is_a_stable_hash_of_seed_and_name():
+    assert module_seed(0, "layer1.0.conv1") == zlib.crc32(b"0:layer1.0.conv1")
+    seeds = {module_seed(s, n) for s in (0, 1, 2**40) for n in ("a", "b")}
+    assert len(seeds) == 6 and max(seeds) < 2**32  # mt19937 reads 32 bits of a seed
+
+
+def test_materialize_model_is_deterministic_and_independent_of_order():
+    a = materialize_model(meta_tiny(), seed=4)
+    b = meta_tiny()
+    torch.manual_seed(123)  # the global RNG does not matter ...
+    for name in ("8", "4", "0", "1", "3"):  # ... nor the order modules are materialised in
+        materialize(b, [name], seed=4)
+    assert not any(t.is_meta for t in b.state_dict().values())
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    assert torch.equal(a.state_dict()["1.running_var"], torch.ones(4, dtype=torch.float64))
+    c = materialize_model(meta_tiny(), seed=5)
+    assert not torch.equal(a.state_dict()["0.weight"], c.state_dict()["0.weight"])
+
+
+def test_materialize_leaves_the_global_rng_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(2)
+    torch.manual_seed(0)
+    materialize_model(meta_tiny())
+    assert torch.equal(torch.rand(2), expected)
+
+
+class Gate(nn.Module):
+    """Owns a parameter but has no reset_parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.g = nn.Parameter(torch.empty(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) * self.g
+
+
+def test_a_module_without_reset_parameters_needs_init():
+    with torch.device("meta"):
+        model = nn.Sequential(Gate(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    with pytest.raises(MaterializeError, match=r"module '0' \(Gate\).*\(g\).*pass init=fn"):
+        fxpar.compile(model, fxpar.Plan(), (2, 3, 4, 4))
+    with pytest.raises(MaterializeError, match="module '0' "):
+        materialize_model(copy.deepcopy(model))
+    calls = []
+
+    def init(name, module):
+        calls.append(name)
+        if isinstance(module, Gate):
+            nn.init.constant_(module.g, 2.0)
+        else:
+            module.reset_parameters()
+
+    materialize_model(model, init=init)
+    assert calls == ["0", "0.conv"] and model[0].g.item() == 2.0
+
+
+def test_for_rank_materialises_only_its_stages_with_the_single_process_values():
+    reference = materialize_model(meta_tiny(), seed=9)
+    model = meta_tiny()
+    program = fxpar.compile(model, fxpar.Plan(stages=2), SHAPE, seed=9, optimizer=sgd)
+    rp = program.for_rank(1)
+    real = [t for t in program.graph.modules[1].state_dict().values()]
+    assert real and not any(t.is_meta for t in real)
+    assert all(t.is_meta for t in program.graph.modules[0].state_dict().values())
+    for k, v in rp.state_dict().items():
+        assert torch.equal(v, reference.state_dict()[k]), k
+    held = sum(p.numel() for p in model.parameters() if not p.is_meta)
+    assert held == sum(p.numel() for p in rp.parameters()) == 4 * 4 * 9 + 4 + 4 + 4 + 4 * 3 + 3
+    program.for_rank(0)  # now the rest
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, reference.state_dict()[k]), k

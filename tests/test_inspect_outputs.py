@@ -1,0 +1,370 @@
+"""fxpar-inspect's dumps and pictures: --after PASS, --rank, --dot/--svg, --timeline, --memory.
+
+In-process (``fxpar.cli.inspect.main`` with capsys), no MPI. Each output is checked against
+what the compiler itself holds (node tables, generated sources, transfers, simulated spans) or
+against numbers computed here by hand from the model's layers and shapes.
+"""
+
+import json
+import re
+import shutil
+
+import graphviz
+import matplotlib.image
+import pytest
+import torch
+from torch import nn
+
+import fxpar
+from fxpar import draw, memory
+from fxpar.cli.inspect import PASS_NAMES, main
+from fxpar.emit import rank_sources
+from fxpar.report import nbytes, node_table
+from fxpar.simulate import simulate, stage_costs
+from passes.split_stages import StageAssignment
+
+# A tiny CNN whose sizes are easy to compute by hand: 3x8x8 images, batch 4, 2 micro-batches.
+NET = '''
+import torch.nn as nn
+
+def make(dtype="float32"):
+    import torch
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1),
+                         nn.Flatten(), nn.Linear(2 * 8 * 8, 5)).to(getattr(torch, dtype))
+'''
+SPATIAL_NET = '''
+import torch.nn as nn
+
+def make():
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(),
+                         nn.Linear(4 * 8 * 8, 5))
+'''
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nets")
+    (d / "net.py").write_text(NET)
+    (d / "spatial_net.py").write_text(SPATIAL_NET)
+    return {"net": f"{d / 'net.py'}:make", "spatial": f"{d / 'spatial_net.py'}:make"}
+
+
+def cli(capsys, *args):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def small(net, *extra):
+    return [net["net"], "--image-size", 8, "--batch-size", 4, *extra]
+
+
+def spatial(net, *extra):
+    return [net["spatial"], "--image-size", 16, "--batch-size", 2, "--stages", 2,
+            "--spatial-parts", 2, "--balance", "6,1", *extra]
+
+
+def build(net, stages=2, schedule="gpipe", dtype=torch.float32, **plan):
+    from fxpar.zoo import build_model
+
+    model = build_model(net["net"]).to(dtype)
+    plan = fxpar.Plan(stages=stages, microbatches=2, schedule=schedule,
+                      balance=(2, 3) if stages == 2 else None, **plan)
+    return model, fxpar.compile(model, plan, torch.empty(4, 3, 8, 8, dtype=dtype,
+                                                         device="meta"))
+
+
+@pytest.fixture(scope="module")
+def program(net):
+    return build(net)[1]
+
+
+def spatial_program(net):
+    from fxpar.zoo import build_model
+
+    model = build_model(net["spatial"])
+    plan = fxpar.Plan(stages=2, spatial_parts=2, balance=(6, 1))
+    return fxpar.compile(model, plan, torch.empty(2, 3, 16, 16, device="meta"))
+
+
+# -- --after PASS ------------------------------------------------------------------------------
+def test_compile_calls_after_pass_with_every_pass_in_order(net):
+    seen = []
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    fxpar.compile(model, fxpar.Plan(stages=2), (2, 3, 8, 8),
+                  after_pass=lambda name, gm: seen.append(
+                      (name, all("fxpar.stage" in n.meta for n in gm.graph.nodes
+                                 if n.op == "call_module"))))
+    assert [name for name, _ in seen] == ["trace", "spatial_region", "split_stages",
+                                          "limit_region"]
+    assert [has for _, has in seen] == [False, False, True, True]  # dumped at that moment
+
+
+def test_after_unknown_pass_lists_the_valid_names(capsys, net):
+    rc, out, err = cli(capsys, *small(net, "--after", "halos"))
+    assert rc == 2 and out == ""
+    assert ("unknown pass 'halos' for --after; valid names: trace, spatial_region, "
+            "split_stages, limit_region, halo") in err
+    assert PASS_NAMES == ("trace", "spatial_region", "split_stages", "limit_region", "halo")
+
+
+def test_after_trace_is_the_node_table_of_the_traced_micro_batch(capsys, net):
+    rc, out, _ = cli(capsys, *small(net, "--stages", 2, "--microbatches", 2, "--after",
+                                    "trace"))
+    assert rc == 0
+    from fxpar.zoo import build_model
+
+    traced = fxpar.trace(build_model(net["net"]), (2, 3, 8, 8))  # per micro-batch of 2
+    dump = out.split("after pass 'trace':\n")[1]
+    assert dump.rstrip("\n") == node_table(traced)
+
+
+def test_after_split_stages_adds_the_stage_of_every_node(capsys, net, program):
+    rc, out, _ = cli(capsys, *small(net, "--stages", 2, "--microbatches", 2, "--balance", "2,3",
+                                    "--after", "split_stages", "--code"))
+    assert rc == 0
+    lines = out.split("after pass 'split_stages':\n")[1].splitlines()
+    assert lines[0].split()[-1] == "stage"
+    got = {line.split()[1]: line.split()[-1] for line in lines[1:]
+           if re.match(r"\s*\d+\s", line)}
+    want = {n.name: str(n.meta[StageAssignment.KEY].stage) for n in program.traced.graph.nodes
+            if StageAssignment.KEY in n.meta}
+    assert {k: got[k] for k in want} == want
+    assert [got[k] for k in ("_0", "_1", "_2", "_3", "_4")] == ["0", "0", "1", "1", "1"]
+    assert "def forward(self, input):" in out  # --code: the graph's Python
+    assert "model_output = passes_split_stages_model_output(_4)" in out
+
+
+def test_after_region_passes_show_the_spatial_layout(capsys, net):
+    rc, out, _ = cli(capsys, *spatial(net, "--after", "spatial_region"))
+    assert rc == 0
+    rows = {line.split()[1]: line for line in out.splitlines()[3:]
+            if re.match(r"\s*\d+\s", line)}
+    assert rows["_0"].rstrip().endswith("tiled") and rows["_4"].rstrip().endswith("tiled")
+    assert "replicated (region ends at '_5': Flatten '5' cannot run on tiles)" in rows["_5"]
+    rc, out, _ = cli(capsys, *spatial(net, "--after", "limit_region"))
+    assert rc == 0 and "stage, layout" in out.splitlines()[2]
+    rows = {line.split()[1]: line for line in out.splitlines()[3:]
+            if re.match(r"\s*\d+\s", line)}
+    assert rows["_4"].split()[-2:] == ["0", "tiled"]
+    assert "0  replicated (region ends at '_5'" in rows["_5"]
+    assert rows["_6"].split()[-2:] == ["1", "replicated"]
+
+
+def test_after_halo_prints_the_tile_module_of_the_rank(capsys, net):
+    rc, out, _ = cli(capsys, *spatial(net, "--after", "halo"))
+    assert rc == 0
+    assert "after pass 'halo': stage 0, " in out and "Tile0 " in out
+    assert "across tiles" in out
+    assert re.search(r"HaloOp .* scatter: slice rows -1:17 cols -1:9 of the whole tensor", out)
+    assert re.search(r"HaloOp .* halo t=0 b=0 l=0 r=0 \(no exchange\)", out)  # 2x2 pool
+    assert re.search(r"HaloOp .* halo t=1 b=1 l=1 r=1 <- tiles \[1\] -> tiles \[1\]", out)
+    assert re.search(r"sync_batch_norm .* BatchNorm statistics: allreduce over tiles", out)
+    assert re.search(r"Join .* join: gather 2 tiles", out)
+    rc, out, _ = cli(capsys, *spatial(net, "--after", "halo", "--rank", 1, "--code"))
+    assert rc == 0 and "Tile1 " in out and "halo t=1 b=1 l=1 r=1 <- tiles [0]" in out
+    assert "sync_batch_norm(" in out  # the code calls it
+
+
+def test_after_halo_without_spatial_stages_is_a_clear_error(capsys, net):
+    rc, _, err = cli(capsys, *small(net, "--stages", 2, "--after", "halo"))
+    assert rc == 2 and "this plan has none: add --spatial-parts P (P > 1)" in err
+
+
+# -- --rank ------------------------------------------------------------------------------------
+def test_rank_prints_the_generated_files(capsys, net, program):
+    rc, out, _ = cli(capsys, *small(net, "--stages", 2, "--microbatches", 2, "--balance", "2,3",
+                                    "--rank", 1))
+    assert rc == 0
+    files = rank_sources(program, 1)
+    assert set(files) == {"c0_s1/module.py", "actions.txt"}
+    for name, text in files.items():
+        assert f"# ---- rank 1: {name} ----\n{text.rstrip()}" in out
+    rc, _, err = cli(capsys, *small(net, "--stages", 2, "--rank", 2))
+    assert rc == 2 and "--rank 2 is outside this plan's 2 rank(s): use 0..1" in err
+
+
+# -- --dot / --svg -----------------------------------------------------------------------------
+def test_dot_has_a_cluster_per_stage_coloured_nodes_and_marked_transfers(capsys, net,
+                                                                         tmp_path):
+    f = tmp_path / "g.dot"
+    rc, out, _ = cli(capsys, *spatial(net, "--dot", f))
+    assert rc == 0 and f"wrote {f} (DOT" in out
+    text = f.read_text()
+    src = graphviz.Source(text)
+    assert src.source == text and text.count("{") == text.count("}")
+    for s in (0, 1):
+        assert f"subgraph cluster_stage{s} {{" in text
+        assert f'fillcolor="{draw.STAGE_COLOURS[s]}"' in text
+    assert "subgraph cluster_legend {" in text
+    assert "tile module of a 1x2 grid" in text and "ranks 0, 1" in text
+    # halo, BN sync and join nodes carry their own shapes
+    assert re.search(r"s0_fxpar_halo_\d+ \[label=\"fxpar_halo_\d+\\nHaloOp.*shape=octagon", text)
+    assert re.search(r"label=\"sync_batch_norm.*shape=hexagon", text)
+    assert re.search(r"label=\"fxpar_join_\d+.*shape=invtrapezium", text)
+    # one bold red edge per transfer, labelled with shape and bytes
+    prog = spatial_program(net)
+    edges = re.findall(r"(s\d+_\w+) -> (s\d+_\w+) \[label=\"send (\d)->(\d)\\n([^\"]*)\"", text)
+    assert len(edges) == len(prog.graph.transfers) >= 1
+    for (_tail, head, a, b, label), t in zip(edges, prog.graph.transfers, strict=True):
+        assert (int(a), int(b)) == (t.src, t.dst) and head.startswith(f"s{t.dst}_")
+        assert "x".join(map(str, t.shape)) in label and nbytes(t.nbytes) in label
+    assert text.count(f'fontcolor="{draw.TRANSFER["color"]}"') == len(prog.graph.transfers) + 1
+
+
+def test_svg_without_dot_says_how_to_get_it(capsys, net, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `dot` on this PATH
+    rc, _, err = cli(capsys, *small(net, "--svg", tmp_path / "g.svg"))
+    assert rc == 2 and not (tmp_path / "g.svg").exists()
+    assert "graphviz 'dot' program is not installed" in err
+    assert "apt-get install graphviz" in err and "--dot FILE" in err
+
+
+def test_svg_with_dot_renders(capsys, net, tmp_path):
+    if shutil.which("dot") is None:
+        pytest.skip("graphviz's `dot` program is not installed here: the SVG cannot be "
+                    "rendered (the missing-dot message is tested above)")
+    rc, _, _ = cli(capsys, *small(net, "--stages", 2, "--svg", tmp_path / "g.svg"))
+    assert rc == 0 and "<svg" in (tmp_path / "g.svg").read_text()
+
+
+# -- --timeline --------------------------------------------------------------------------------
+def _by_rank(bars):
+    return {r: [b.action for b in bs] for r, bs in bars.items()}
+
+
+def test_timeline_bars_of_a_two_stage_gpipe(program):
+    bars = draw.timeline_bars(program)
+    compute = {r: [a for a in acts if a[1] in "FB"] for r, acts in _by_rank(bars).items()}
+    assert compute == {0: ["0F0", "0F1", "0B0", "0B1"], 1: ["1F0", "1F1", "1B0", "1B1"]}
+    for bs in bars.values():
+        assert [b.action for b in bs] == [str(a) for a in program.schedule[bs[0].rank]]
+        for prev, b in zip(bs, bs[1:], strict=False):
+            assert prev.end <= b.start  # no overlaps on a rank
+    sends = {b.action: b for bs in bars.values() for b in bs if b.kind == "send"}
+    recvs = [b for bs in bars.values() for b in bs if b.kind == "recv"]
+    assert len(recvs) == 4
+    for r in recvs:
+        peer = "0SEND_F" if "RECV_F" in r.action else "1SEND_B"
+        s = sends[f"{peer}{r.mb}"]
+        assert r.end >= s.start and r.rank != s.rank
+    f0 = {b.action: b.end - b.start for bs in bars.values() for b in bs}
+    assert f0["0F0"] == 1 and f0["1B1"] == 2  # unit costs
+
+
+def test_timeline_with_flop_costs(net):
+    _, prog = build(net, dtype=torch.float64)
+    costs = stage_costs(prog)
+    # per micro-batch of 2: conv 3->4 3x3 on 8x8 | conv 4->2 1x1, linear 128->5
+    assert costs == {0: 2 * 2 * 4 * 64 * 3 * 9, 1: 2 * 2 * 2 * 64 * 4 + 2 * 2 * 128 * 5}
+    bars = draw.timeline_bars(prog, costs)
+    spans = {b.action: b.end - b.start for bs in bars.values() for b in bs}
+    assert spans["0F1"] == costs[0] and spans["0B1"] == 2 * costs[0]
+    assert spans["1F0"] == costs[1] and spans["1B0"] == 2 * costs[1]
+    res = simulate(prog.schedule, {0: {1}, 1: set()}, stage_cost=costs)
+    assert res.makespan == max(b.end for bs in bars.values() for b in bs)
+
+
+def test_timeline_png_has_a_row_per_rank(capsys, net, tmp_path, program):
+    f = tmp_path / "t.png"
+    rc, out, _ = cli(capsys, *small(net, "--stages", 2, "--microbatches", 2, "--timeline", f))
+    assert rc == 0 and f"wrote {f}" in out
+    assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = matplotlib.image.imread(f)
+    assert img.ndim == 3 and img.shape[1] > img.shape[0] > 100
+    fig = draw.timeline_figure(draw.timeline_bars(program), "t", "x")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
+    assert len(ax.patches) == sum(len(a) for a in program.schedule.values())
+
+
+METRICS = {
+    "fxpar_metrics": 1, "model": "models:amoebanet", "world_size": 2,
+    "plan": {"stages": 2, "gems": True}, "steps": 3, "batch_size": 4, "images_per_s": 10.0,
+    "ranks": [
+        {"rank": r, "roles": [{"copy": 0, "stage": r, "tile": 0}], "peak_memory_bytes": 1,
+         "compute_s": 0.1, "comm_s": 0.01, "step_s": 0.2,
+         "timeline": [
+             {"action": f"{r}F0", "kind": "F", "stage": r, "mb": 0, "copy": 0,
+              "start": 0.01 * r, "end": 0.02 + 0.01 * r, "wait": 0.0},
+             {"action": f"c1.{1 - r}F0", "kind": "F", "stage": 1 - r, "mb": 0, "copy": 1,
+              "start": 0.03, "end": 0.05, "wait": 0.0},
+             {"action": "ALLREDUCE", "kind": "ALLREDUCE", "stage": -1, "mb": -1, "copy": 0,
+              "start": 0.05, "end": 0.06, "wait": 0.004},
+             {"action": "STEP", "kind": "STEP", "stage": -1, "mb": -1, "copy": 0,
+              "start": 0.06, "end": 0.061, "wait": 0.0}]}
+        for r in range(2)],
+}
+
+
+def test_timeline_from_metrics(capsys, tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(METRICS))
+    bars = draw.bars_from_metrics(METRICS)
+    assert _by_rank(bars) == {0: ["0F0", "c1.1F0", "ALLREDUCE", "STEP"],
+                              1: ["1F0", "c1.0F0", "ALLREDUCE", "STEP"]}
+    assert [b.kind for b in bars[1]] == ["F", "F", "allreduce", "step"]
+    assert (bars[1][0].start, bars[1][0].end, bars[1][1].copy) == (0.01, 0.03, 1)
+    assert bars[0][2].wait == 0.004
+    fig = draw.timeline_figure(bars, "t", "s")
+    hatched = [p for p in fig.axes[0].patches if p.get_hatch()]
+    assert len(hatched) == 2  # the GEMS copy-1 forward of each rank
+    assert len(fig.axes[0].patches) == 8 + 2  # one bar per action + each ALLREDUCE's wait
+    f = tmp_path / "real.png"
+    rc, out, _ = cli(capsys, "--timeline", f, "--from-metrics", path)  # no model needed
+    assert rc == 0 and f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    path.write_text(json.dumps({"ranks": []}))
+    rc, _, err = cli(capsys, "--timeline", f, "--from-metrics", path)
+    assert rc == 2 and "fxpar_metrics" in err
+
+
+# -- --memory ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule, flight", [("gpipe", (2, 2)), ("1f1b", (2, 1))])
+def test_memory_matches_a_hand_count(net, schedule, flight):
+    _, prog = build(net, schedule=schedule, dtype=torch.float64)
+    e = 8  # float64
+    mb = 2  # 4 images in 2 micro-batches
+    conv1 = (4 * 3 * 9 + 4) * e
+    conv2, fc = (2 * 4 + 2) * e, (128 * 5 + 5) * e
+    act0 = 2 * mb * 4 * 64 * e  # conv1 and relu outputs
+    act1 = (mb * 2 * 64 + mb * 128 + mb * 5) * e  # conv2, flatten, linear
+    cut = mb * 4 * 64 * e  # relu's output crosses the cut
+    want = [
+        memory.RankMemory(0, "c0.s0", conv1, conv1, conv1, act0 * flight[0], cut),
+        memory.RankMemory(1, "c0.s1", conv2 + fc, conv2 + fc, conv2 + fc, act1 * flight[1],
+                          cut * flight[1]),
+    ]
+    assert memory.estimate(prog) == want
+
+
+def test_memory_table_in_the_cli(capsys, net):
+    rc, out, _ = cli(capsys, *small(net, "--stages", 2, "--microbatches", 2, "--balance", "2,3",
+                                    "--schedule", "1f1b", "--memory"))
+    assert rc == 0
+    assert "SGD with momentum = 1x the trainable parameters" in out
+    rows = out.split("allocator overhead\n")[1].splitlines()
+    assert rows[0].split() == ["rank", "roles", "params", "grads", "optimizer", "activations",
+                               "received", "total"]
+    e, mb = 4, 2
+    total0 = 3 * (4 * 3 * 9 + 4) * e + 2 * (2 * mb * 4 * 64 * e) + mb * 4 * 64 * e
+    assert rows[1].split()[:2] == ["0", "c0.s0"]
+    assert " ".join(rows[1].split()[-2:]) == nbytes(total0)
+
+
+def test_memory_of_a_spatial_stage_splits_tiled_outputs_and_adds_halos(net):
+    est = memory.estimate(spatial_program(net))
+    assert [m.roles for m in est] == ["c0.s0.t0", "c0.s0.t1", "c0.s1"]
+    e, n = 4, 2  # float32, batch 2 (one micro-batch)
+    tiled = (3 * n * 4 * 16 * 16 + 2 * n * 4 * 8 * 8) // 2  # conv, bn, relu; pool, conv: 1/P
+    whole = n * 256  # flatten, after the join: every tile holds all of it
+    # the first conv reads the whole input (a local slice, nothing kept); the pool's 2x2
+    # windows lie inside the tiles; the second conv receives one 8-row column of 4 channels
+    halo = n * 4 * 8
+    assert est[0].activations == (tiled + whole + halo) * e == est[1].activations
+    # flatten's output goes to stage 1 from tile 0, so only tile 0 gets its gradient back
+    assert (est[0].received, est[1].received, est[2].received) == (whole * e, 0, whole * e)
+    conv1 = (4 * 3 * 9 + 4) * e
+    bn = 4 * 4 * e + 8  # weight, bias, running mean and var; the int64 batch counter
+    assert est[0].params == conv1 + bn + (4 * 4 * 9 + 4) * e
+    assert est[0].grads == est[0].optimizer == conv1 + 2 * 4 * e + (4 * 4 * 9 + 4) * e
