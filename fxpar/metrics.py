@@ -174,7 +174,7 @@ def table(metrics: dict[str, Any]) -> str:
                        for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
              for r in rows]
     steps = metrics["steps"]
-    over = f"steps 2..{steps}" if steps > 1 else "step 1"
+    over = f"this run's steps 2..{steps}" if steps > 1 else "this run's one step"
     return (f"per rank, medians over {over} (comm: blocked on or running communication; "
             f"halo exchanges inside F/B count as compute):\n" + "\n".join(lines) +
             f"\nthroughput: {metrics['images_per_s']:.2f} images/s")

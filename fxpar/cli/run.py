@@ -147,6 +147,7 @@ class Job:
     shape: tuple[int, int, int, int]
     dtype: torch.dtype
     compile_s: float
+    how: str = "compiled"
 
 
 def _source(a: argparse.Namespace, shape: tuple[int, int, int, int],
@@ -232,12 +233,14 @@ def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:
                         f"--image-size (and --channels if not 3)")
     shape = (batch, a.channels, a.image_size, a.image_size)
     source = _source(a, shape, getattr(torch, a.dtype))
+    t0 = time.perf_counter()
     rp = load(a.model, comm, optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
     dtype = next((p.dtype for p in rp.parameters()), getattr(torch, a.dtype))
     if hasattr(source, "dtype"):
         source.dtype = dtype  # the saved weights decide
     a.dtype = str(dtype).removeprefix("torch.")
-    return Job(rp, source, rp.input_window(image=shape[2:]), shape, dtype, 0.0)
+    return Job(rp, source, rp.input_window(image=shape[2:]), shape, dtype,
+               time.perf_counter() - t0, "loaded")
 
 
 def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
@@ -286,9 +289,10 @@ def finish(job: Job, rec: Recorder, a: argparse.Namespace) -> dict[str, Any] | N
     if a.metrics is not None:
         print(f"metrics: {write_metrics(a.metrics, metrics)}")
     if rec.steps:
-        first = 2 if len(rec.steps) > 1 else 1
-        print(f"done: median {metrics['images_per_s']:.2f} img/s over steps "
-              f"{first}..{a.steps} (step 1 includes warm-up)", flush=True)
+        n = len(rec.steps)
+        over = f"this run's steps 2..{n} (its first step warms up)" if n > 1 else \
+            "this run's one step (including warm-up)"
+        print(f"done: median {metrics['images_per_s']:.2f} img/s over {over}", flush=True)
     return metrics
 
 
@@ -342,7 +346,7 @@ def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
     rp = job.rp
     if rp.rank == 0:
         print(f"fxpar-run: {a.model} {'x'.join(map(str, job.shape))} {a.dtype} on "
-              f"{rp.program.world_size} rank(s); compiled in {job.compile_s:.2f} s; "
+              f"{rp.program.world_size} rank(s); {job.how} in {job.compile_s:.2f} s; "
               f"{describe(job.source)}", flush=True)
     start = _resume(rp, a)
     if start is None:
