@@ -27,7 +27,6 @@ Files must be visible to every rank (a shared file system on a cluster).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -53,11 +52,6 @@ class CheckpointError(RuntimeError):
 
 def shard_name(rank: int) -> str:
     return f"rank{rank:05d}.pt"
-
-
-def _plan_fields(program: Program) -> dict[str, Any]:
-    """The plan as JSON values (tuples become lists), so a saved plan compares equal."""
-    return json.loads(json.dumps(dataclasses.asdict(program.plan)))
 
 
 def _replace_into(path: Path, write: Any) -> None:
@@ -115,7 +109,7 @@ def _manifest(program: Program, step: int, extra: dict[str, Any] | None,
     params = {n for _, names in everyone for n in names}
     return {
         "format": FORMAT, "version": VERSION, "step": step, "world_size": program.world_size,
-        "plan": _plan_fields(program),
+        "plan": program.plan.to_json(),
         "names": list(program.names),
         "parameters": [n for n in program.names if n in params],
         "unsaved": [n for n in program.names if n not in holders],
@@ -149,7 +143,7 @@ def _check_same_job(manifest: dict[str, Any], program: Program, folder: Path) ->
     if manifest["world_size"] != program.world_size:
         problems.append(f"it has {manifest['world_size']} ranks, this program "
                         f"{program.world_size}")
-    plan = _plan_fields(program)
+    plan = program.plan.to_json()
     diff = [f"{k}={manifest['plan'].get(k)!r} (now {v!r})" for k, v in plan.items()
             if manifest["plan"].get(k) != v]
     if diff:
@@ -298,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _describe(manifest: dict[str, Any]) -> str:
     from fxpar.plan import Plan
 
-    default = json.loads(json.dumps(dataclasses.asdict(Plan())))
+    default = Plan().to_json()
     plan = {k: v for k, v in manifest["plan"].items() if default.get(k) != v}
     lines = [f"step {manifest['step']}, {manifest['world_size']} ranks, "
              f"{len(manifest['names'])} tensors", f"plan: {plan}"]

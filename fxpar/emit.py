@@ -41,7 +41,7 @@ import fxpar
 from fxpar import meta
 from fxpar.loader import FORMAT, load, rank_folder, read_program, stage_folder
 from fxpar.meta import TensorInfo
-from fxpar.plan import Plan, PlanError
+from fxpar.plan import PlanError
 from fxpar.program import Program
 
 __all__ = ["load", "program_json", "put", "rank_sources", "read_program", "save",
@@ -282,10 +282,6 @@ def load(map_location: str | torch.device = "cpu") -> {class_name}:
 
 
 # -- the program as data ----------------------------------------------------------------------
-def _plan_json(plan: Plan) -> dict[str, Any]:
-    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
-
-
 def _qualname(fn: Callable[..., Any]) -> str | None:
     mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     if not mod or not qual or "<" in qual:
@@ -311,7 +307,7 @@ def program_json(program: Program) -> dict[str, Any]:
         "fxpar_program": FORMAT, "fxpar_version": fxpar.__version__,
         "world_size": program.world_size, "batch_size": program.batch_size,
         "input_shape": _input_shape(program),
-        "plan": _plan_json(program.plan), "loss_fn": _qualname(program.loss_fn),
+        "plan": program.plan.to_json(), "loss_fn": _qualname(program.loss_fn),
         "names": list(program.names),
         "stages": [{"inputs": [[i.source, i.index] for i in g.inputs[s]],
                     "n_outputs": g.n_outputs[s],

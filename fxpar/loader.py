@@ -29,13 +29,6 @@ FORMAT = 1
 """The version of the saved layout (program.json's "fxpar_program")."""
 
 
-def _plan_from(d: dict[str, Any]) -> Plan:
-    d = dict(d)
-    if d.get("balance") is not None:
-        d["balance"] = tuple(d["balance"])
-    return Plan(**d)
-
-
 def _resolve(name: str) -> Callable[..., Any]:
     mod, _, attr = name.rpartition(".")
     return getattr(importlib.import_module(mod), attr)
@@ -109,7 +102,7 @@ def load(folder: str | os.PathLike[str], comm: Comm | None = None, *,
             raise PlanError(f"{root} was compiled with a loss function fxpar cannot import by "
                             f"name: pass loss_fn= to load()")
         loss_fn = _resolve(info["loss_fn"])
-    plan = _plan_from(info["plan"])
+    plan = Plan(**info["plan"])
     rdir = root / rank_folder(rank)
     rank_info = json.loads((rdir / "rank.json").read_text())
     stages: dict[tuple[int, int], nn.Module] = {}

@@ -21,7 +21,6 @@ its F/B action, so it counts as compute (see fxpar.runtime).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import resource
@@ -38,7 +37,6 @@ from fxpar.report import nbytes
 from fxpar.runtime import ActionTime
 
 if TYPE_CHECKING:
-    from fxpar.plan import Plan
     from fxpar.program import RankProgram
 
 FORMAT = 1
@@ -131,13 +129,6 @@ def peak_memory(rp: RankProgram | None = None) -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def plan_json(plan: Plan) -> dict[str, Any]:
-    d = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
-    if d.get("balance") is not None:
-        d["balance"] = list(d["balance"])
-    return d
-
-
 def gather(rec: Recorder, model: str, batch_size: int) -> dict[str, Any] | None:
     """Collective over the rank program's communicator: the whole metrics object on rank 0,
     None on the other ranks."""
@@ -150,7 +141,7 @@ def gather(rec: Recorder, model: str, batch_size: int) -> dict[str, Any] | None:
     rates = [batch_size / s.step_s for s in steady if s.step_s > 0]
     return {
         "fxpar_metrics": FORMAT, "model": model, "world_size": rp.program.world_size,
-        "plan": plan_json(rp.plan), "steps": len(rec.steps), "batch_size": batch_size,
+        "plan": rp.plan.to_json(), "steps": len(rec.steps), "batch_size": batch_size,
         "images_per_s": statistics.median(rates) if rates else 0.0,
         "ranks": sorted(entries, key=lambda e: e["rank"]),
     }

@@ -20,8 +20,8 @@ Roles of one layout are listed flat: the tiles of stage 0, then those of stage 1
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 SCHEDULES = ("gpipe", "1f1b")
 SLICES = ("vertical", "horizontal", "square")
@@ -74,6 +74,14 @@ class Plan:
             object.__setattr__(self, "balance", tuple(self.balance))
         for problem in self.problems():
             raise PlanError(problem)
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as JSON values (``balance`` a list), as program.json, checkpoints and
+        metrics files record them; ``Plan(**d)`` reads them back."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if d["balance"] is not None:
+            d["balance"] = list(d["balance"])
+        return d
 
     def problems(self) -> list[str]:
         """Every reason this plan cannot work, each saying what to change (empty if valid)."""

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fxpar.checkpoint import CheckpointError
-from fxpar.comm import Comm, world
+from fxpar.comm import Comm
 from fxpar.compiler import compile as fx_compile
 from fxpar.data import (
     Batch,
@@ -214,13 +214,7 @@ def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:
     if given:
         raise PlanError(f"{a.model} is a saved program, whose plan and model are fixed: drop "
                         f"{', '.join(given)} (or compile again from the model)")
-    info = read_program(a.model)
-    n = int(info["world_size"])
-    if comm is not None or any(v in os.environ for v in _LAUNCHER_VARS):
-        size = (comm if comm is not None else world()).size
-        if size != n:
-            raise PlanError(f"{a.model} was compiled for {n} ranks but the job has {size}: "
-                            f"run it with `mpiexec -n {n}`")
+    info = read_program(a.model)  # load() below checks the job's size against the plan's
     batch = int(info["batch_size"])
     if a.batch_size is not None and a.batch_size != batch:
         raise PlanError(f"{a.model} was compiled for a batch of {batch}, not --batch-size "
