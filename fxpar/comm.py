@@ -5,6 +5,19 @@ staging copy: a receive writes straight into the destination tensor. Buffers mus
 contiguous; send buffers that are not are made contiguous once (and said so in the docstring of
 each call), receive buffers that are not are an error, because the data would land in a copy.
 
+Device (CUDA) tensors take one of two routes, chosen once per communicator family:
+
+* CUDA-aware MPI (:func:`fxpar.device.cuda_aware_mpi`): the device buffer itself goes to MPI
+  (through ``__cuda_array_interface__``/DLPack), after the current stream is synchronised so
+  MPI reads finished data and writes into memory no queued kernel still uses.
+* otherwise :class:`Staging`: sends copy into a pinned host buffer first; receives land in one and
+  are copied into the device tensor when the request completes (``Request.wait``). Host buffers
+  are pooled per (numel, dtype) so a training step reuses the same few.
+
+CPU tensors skip all of that (one device-type test per call). ``Comm(stage=True)`` or
+``FXPAR_FORCE_STAGING=1`` sends CPU tensors through :class:`Staging` too, so the staging logic is
+tested on machines without a GPU.
+
 Every call takes and returns torch tensors; MPI details (datatypes, IN_PLACE, requests) stay here.
 """
 
@@ -12,7 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,9 +44,7 @@ def _mpi() -> Any:
 
 
 def _buffer(t: torch.Tensor, *, writable: bool) -> np.ndarray:
-    """A NumPy view of ``t``'s memory (no copy)."""
-    if t.device.type != "cpu":
-        raise NotImplementedError(f"Comm over mpi4py handles CPU tensors; got one on {t.device}")
+    """A NumPy view of CPU tensor ``t``'s memory (no copy)."""
     if not t.is_contiguous():
         if writable:
             raise ValueError("receive buffer must be contiguous (data would land in a copy)")
@@ -45,28 +56,178 @@ def _buffer(t: torch.Tensor, *, writable: bool) -> np.ndarray:
 
 
 class Request:
-    """A pending nonblocking operation; keeps its buffer alive until :meth:`wait`."""
+    """A pending nonblocking operation; keeps its buffer alive until :meth:`wait`, then runs
+    ``done`` once (a staged receive's copy into the device tensor, returning host buffers)."""
 
-    def __init__(self, req: Any, keep: object) -> None:
+    def __init__(self, req: Any, keep: object, done: Callable[[], None] | None = None) -> None:
         self._req = req
         self._keep = keep
+        self._done = done
 
     def wait(self) -> None:
         self._req.Wait()
-        self._keep = None
+        self._finish()
 
     def test(self) -> bool:
         done = bool(self._req.Test())
         if done:
-            self._keep = None
+            self._finish()
         return done
+
+    def _finish(self) -> None:
+        self._keep = None
+        if self._done is not None:
+            done, self._done = self._done, None
+            done()
+
+
+def _pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat host buffer; page-locked when it stages a CUDA tensor (fast, async-capable DMA)."""
+    return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Blocking copy between host and device: the host side is safe to reuse when it returns."""
+    dst.copy_(src)
+
+
+class Staging:
+    """Host copies of tensors MPI cannot read in place (device memory without CUDA-aware MPI).
+
+    A pool of flat host buffers per (numel, dtype): :meth:`take` lends one (new when none is
+    free), :meth:`give` returns it, keeping at most ``keep`` free per key so a run with changing
+    shapes does not hoard pinned memory. ``alloc`` and ``copy`` are the seam tests replace."""
+
+    def __init__(self, alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] = _pinned,
+                 copy: Callable[[torch.Tensor, torch.Tensor], None] = _copy,
+                 keep: int = 4) -> None:
+        self.alloc = alloc
+        self.copy = copy
+        self.keep = keep
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.allocated = 0
+        """Host buffers made so far (tests check that buffers are reused)."""
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        free = self._free.get((t.numel(), t.dtype))
+        if free:
+            return free.pop()
+        self.allocated += 1
+        return self.alloc(t.numel(), t.dtype, t.device)
+
+    def give(self, host: torch.Tensor) -> None:
+        free = self._free.setdefault((host.numel(), host.dtype), [])
+        if len(free) < self.keep:
+            free.append(host)
+
+    def out(self, t: torch.Tensor) -> tuple[np.ndarray, Callable[[], None]]:
+        """A host buffer holding ``t``'s values for MPI to read, and the call that releases it."""
+        host = self.take(t)
+        self.copy(host.view(t.shape), t)
+        return _buffer(host, writable=False), lambda: self.give(host)
+
+    def into(self, t: torch.Tensor) -> tuple[np.ndarray, Callable[[], None]]:
+        """A host buffer for MPI to write, and the call that copies it into ``t`` and releases
+        it (run it after the operation completed)."""
+        if not t.is_contiguous():
+            raise ValueError("receive buffer must be contiguous (data would land in a copy)")
+        host = self.take(t)
+
+        def land() -> None:
+            self.copy(t, host.view(t.shape))
+            self.give(host)
+
+        return _buffer(host, writable=True), land
+
+    def inout(self, t: torch.Tensor) -> tuple[np.ndarray, Callable[[], None]]:
+        """Both: ``t``'s values in a host buffer that MPI updates in place (reductions,
+        broadcast roots), copied back into ``t`` by the returned call."""
+        if not t.is_contiguous():
+            raise ValueError("in-place buffer must be contiguous (data would land in a copy)")
+        host = self.take(t)
+        self.copy(host.view(t.shape), t)
+
+        def land() -> None:
+            self.copy(t, host.view(t.shape))
+            self.give(host)
+
+        return _buffer(host, writable=True), land
+
+
+def _direct(t: torch.Tensor, *, writable: bool) -> torch.Tensor:
+    """``t`` itself for a CUDA-aware MPI (read through ``__cuda_array_interface__``/DLPack),
+    after its stream has finished every kernel queued on it."""
+    if not t.is_contiguous():
+        if writable:
+            raise ValueError("receive buffer must be contiguous (data would land in a copy)")
+        t = t.contiguous()
+    t = t.detach()
+    if t.dtype in _BITCAST:
+        t = t.view(_BITCAST[t.dtype])
+    torch.cuda.current_stream(t.device).synchronize()
+    return t
+
+
+def _nothing() -> None:
+    pass
+
+
+class _Route:
+    """How a communicator family moves non-CPU tensors (shared by a world and its splits)."""
+
+    def __init__(self, stage: bool | None = None) -> None:
+        if stage is None:
+            stage = os.environ.get("FXPAR_FORCE_STAGING", "0") not in ("", "0")
+        self.force = stage
+        self.staging = Staging()
+        self._aware: bool | None = None
+
+    def aware(self) -> bool:
+        if self._aware is None:  # asked on the first CUDA tensor only
+            from fxpar.device import cuda_aware_mpi
+
+            self._aware = cuda_aware_mpi()
+        return self._aware
+
+    def _check(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            raise ValueError("a meta tensor has no data to communicate: materialise it first")
+
+    def out(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+        self._check(t)
+        if t.device.type == "cuda" and not self.force and self.aware():
+            return _direct(t, writable=False), _nothing
+        return self.staging.out(t)
+
+    def into(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+        self._check(t)
+        if t.device.type == "cuda" and not self.force and self.aware():
+            return _direct(t, writable=True), _nothing
+        return self.staging.into(t)
+
+    def inout(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+        self._check(t)
+        if t.device.type == "cuda" and not self.force and self.aware():
+            return _direct(t, writable=True), _nothing
+        return self.staging.inout(t)
 
 
 class Comm:
-    """A communicator: the world, or a sub-group made with :meth:`split` / :meth:`group`."""
+    """A communicator: the world, or a sub-group made with :meth:`split` / :meth:`group`.
 
-    def __init__(self, mpi_comm: Any = None) -> None:
+    stage: send every tensor, CPU ones included, through host staging buffers (default: the
+    ``FXPAR_FORCE_STAGING`` environment variable); for testing the GPU path without a GPU."""
+
+    def __init__(self, mpi_comm: Any = None, stage: bool | None = None,
+                 route: _Route | None = None) -> None:
         self._c = mpi_comm if mpi_comm is not None else _mpi().COMM_WORLD
+        self._route = route if route is not None else _Route(stage)
+        self._plain = not self._route.force
+        """CPU tensors go to MPI as they are (the fast path; False when staging is forced)."""
+
+    def _sub(self, mpi_comm: Any) -> Comm:
+        """A communicator over ``mpi_comm`` sharing this one's device route."""
+        return Comm(mpi_comm, route=self._route)
 
     @property
     def rank(self) -> int:
@@ -79,26 +240,50 @@ class Comm:
     # -- point to point ---------------------------------------------------------------------
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Request:
         """Start sending ``t`` to ``dst`` (a non-contiguous ``t`` is sent from a copy)."""
-        buf = _buffer(t, writable=False)
-        return Request(self._c.Isend(buf, dest=dst, tag=tag), buf)
+        if self._plain and t.device.type == "cpu":
+            buf = _buffer(t, writable=False)
+            return Request(self._c.Isend(buf, dest=dst, tag=tag), buf)
+        buf, done = self._route.out(t)
+        return Request(self._c.Isend(buf, dest=dst, tag=tag), buf, done)
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Request:
-        """Start receiving into ``t`` (contiguous) from ``src``."""
-        buf = _buffer(t, writable=True)
-        return Request(self._c.Irecv(buf, source=src, tag=tag), buf)
+        """Start receiving into ``t`` (contiguous) from ``src``; ``t`` holds the data once the
+        request's ``wait`` returned."""
+        if self._plain and t.device.type == "cpu":
+            buf = _buffer(t, writable=True)
+            return Request(self._c.Irecv(buf, source=src, tag=tag), buf)
+        buf, done = self._route.into(t)
+        return Request(self._c.Irecv(buf, source=src, tag=tag), buf, done)
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self._c.Send(_buffer(t, writable=False), dest=dst, tag=tag)
+        if self._plain and t.device.type == "cpu":
+            self._c.Send(_buffer(t, writable=False), dest=dst, tag=tag)
+            return
+        buf, done = self._route.out(t)
+        self._c.Send(buf, dest=dst, tag=tag)
+        done()
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        self._c.Recv(_buffer(t, writable=True), source=src, tag=tag)
+        if self._plain and t.device.type == "cpu":
+            self._c.Recv(_buffer(t, writable=True), source=src, tag=tag)
+            return t
+        buf, done = self._route.into(t)
+        self._c.Recv(buf, source=src, tag=tag)
+        done()
         return t
 
     def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
                  tag: int = 0) -> torch.Tensor:
         """Send ``send`` to ``dst`` while receiving into ``recv`` from ``src``."""
-        self._c.Sendrecv(_buffer(send, writable=False), dest=dst, sendtag=tag,
-                         recvbuf=_buffer(recv, writable=True), source=src, recvtag=tag)
+        if self._plain and send.device.type == "cpu" and recv.device.type == "cpu":
+            self._c.Sendrecv(_buffer(send, writable=False), dest=dst, sendtag=tag,
+                             recvbuf=_buffer(recv, writable=True), source=src, recvtag=tag)
+            return recv
+        sbuf, sdone = self._route.out(send)
+        rbuf, rdone = self._route.into(recv)
+        self._c.Sendrecv(sbuf, dest=dst, sendtag=tag, recvbuf=rbuf, source=src, recvtag=tag)
+        sdone()
+        rdone()
         return recv
 
     @staticmethod
@@ -113,31 +298,59 @@ class Comm:
             raise TypeError(f"allreduce of {t.dtype} is not supported: reduce in float32")
         mpi = _mpi()
         ops = {"sum": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN}
-        self._c.Allreduce(mpi.IN_PLACE, _buffer(t, writable=True), op=ops[op])
+        if self._plain and t.device.type == "cpu":
+            self._c.Allreduce(mpi.IN_PLACE, _buffer(t, writable=True), op=ops[op])
+            return t
+        buf, done = self._route.inout(t)
+        self._c.Allreduce(mpi.IN_PLACE, buf, op=ops[op])
+        done()
         return t
 
     def iallreduce(self, t: torch.Tensor) -> Request:
         """Start an in-place sum allreduce of ``t``."""
-        buf = _buffer(t, writable=True)
         mpi = _mpi()
-        return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf)
+        if self._plain and t.device.type == "cpu":
+            buf = _buffer(t, writable=True)
+            return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf)
+        buf, done = self._route.inout(t)
+        return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf, done)
 
     def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``t`` (same shape on all ranks), in rank order."""
-        out = torch.empty((self.size, *t.shape), dtype=t.dtype)
-        self._c.Allgather(_buffer(t, writable=False), _buffer(out, writable=True))
+        """Every rank's ``t`` (same shape on all ranks), in rank order, on ``t``'s device."""
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        if self._plain and t.device.type == "cpu":
+            self._c.Allgather(_buffer(t, writable=False), _buffer(out, writable=True))
+            return list(out.unbind(0))
+        sbuf, sdone = self._route.out(t)
+        rbuf, rdone = self._route.into(out)
+        self._c.Allgather(sbuf, rbuf)
+        sdone()
+        rdone()
         return list(out.unbind(0))
 
     def gather(self, t: torch.Tensor, root: int = 0) -> list[torch.Tensor] | None:
         """Every rank's ``t`` on ``root`` (in rank order); None elsewhere."""
-        out = torch.empty((self.size, *t.shape), dtype=t.dtype) if self.rank == root else None
-        self._c.Gather(_buffer(t, writable=False),
-                       _buffer(out, writable=True) if out is not None else None, root=root)
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device) \
+            if self.rank == root else None
+        if self._plain and t.device.type == "cpu":
+            self._c.Gather(_buffer(t, writable=False),
+                           _buffer(out, writable=True) if out is not None else None, root=root)
+            return list(out.unbind(0)) if out is not None else None
+        sbuf, sdone = self._route.out(t)
+        rbuf, rdone = self._route.into(out) if out is not None else (None, _nothing)
+        self._c.Gather(sbuf, rbuf, root=root)
+        sdone()
+        rdone()
         return list(out.unbind(0)) if out is not None else None
 
     def bcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In-place broadcast of ``t`` from ``root``."""
-        self._c.Bcast(_buffer(t, writable=True), root=root)
+        if self._plain and t.device.type == "cpu":
+            self._c.Bcast(_buffer(t, writable=True), root=root)
+            return t
+        buf, done = self._route.inout(t) if self.rank == root else self._route.into(t)
+        self._c.Bcast(buf, root=root)
+        done()
         return t
 
     def allgather_object(self, obj: object) -> list[Any]:
@@ -156,7 +369,7 @@ class Comm:
     # -- sub-communicators ------------------------------------------------------------------
     def split(self, color: int, key: int | None = None) -> Comm:
         """Ranks with the same ``color`` form a new communicator (collective on all ranks)."""
-        return Comm(self._c.Split(color, self.rank if key is None else key))
+        return self._sub(self._c.Split(color, self.rank if key is None else key))
 
     def group(self, ranks: Sequence[int], tag: int = 0) -> Comm | None:
         """A communicator of ``ranks`` (in that order); collective over the ranks listed only.
@@ -164,7 +377,13 @@ class Comm:
         if self.rank not in ranks:
             return None
         grp = self._c.Get_group().Incl(list(ranks))
-        return Comm(self._c.Create_group(grp, tag=tag))
+        return self._sub(self._c.Create_group(grp, tag=tag))
+
+    def node(self) -> Comm:
+        """The ranks of this communicator that share this node's memory, in rank order
+        (collective on all ranks): its rank is the node-local rank GPUs are bound by."""
+        mpi = _mpi()
+        return self._sub(self._c.Split_type(mpi.COMM_TYPE_SHARED, key=self.rank))
 
     def abort(self, code: int = 1) -> None:
         """End the whole job now (every rank), flushing this rank's output first."""
@@ -174,6 +393,17 @@ class Comm:
         os._exit(code)  # MPI_Abort can return when every peer has already exited
 
 
-def world() -> Comm:
-    """The communicator of every rank in the job."""
-    return Comm()
+def world(backend: str | None = None) -> Comm:
+    """The communicator of every rank in the job.
+
+    backend: "mpi" (mpi4py, the default) or "torch" (torch.distributed, see fxpar.comm_torch:
+    NCCL collectives on GPUs); None reads ``FXPAR_COMM`` (default "mpi")."""
+    backend = backend or os.environ.get("FXPAR_COMM") or "mpi"
+    if backend == "mpi":
+        return Comm()
+    if backend == "torch":
+        from fxpar.comm_torch import torch_world
+
+        return torch_world()
+    raise ValueError(f"unknown communication backend {backend!r} (FXPAR_COMM or "
+                     f"world(backend=...)): use 'mpi' or 'torch'")

@@ -128,13 +128,22 @@ class Program:
 
         return save(self, folder)
 
-    def local(self, comm: Comm | None = None) -> RankProgram:
+    def local(self, comm: Comm | None = None, device: str | None = None) -> RankProgram:
         """This process's rank program: rank 0 when not launched by MPI and the plan needs one
         rank, else the MPI rank (after checking ``mpiexec -n`` matches the plan).
 
-        comm: run on this communicator instead of every rank of the job."""
-        if comm is None and self.world_size == 1 and \
-                not any(v in os.environ for v in _LAUNCHER_VARS):
+        comm: run on this communicator instead of every rank of the job (default: the world of
+        ``FXPAR_COMM``, see fxpar.comm.world).
+        device: "auto", "cpu", "cuda" or "cuda:N": bind this rank to it (GPU by node-local
+        rank, fxpar.device.bind) before the communicator is made, and move the program there."""
+        launched = any(v in os.environ for v in _LAUNCHER_VARS)
+        if device is not None:
+            from fxpar.comm import Comm as MpiComm
+            from fxpar.device import bind
+
+            where = bind(MpiComm() if launched else None, device)
+            return self.local(comm).to(where)
+        if comm is None and self.world_size == 1 and not launched:
             return self.for_rank(0)
         from fxpar.comm import world
 
@@ -155,6 +164,7 @@ class RankProgram:
         self.rank = rank
         self.stages = stages
         self.comm = comm
+        self.device = torch.device("cpu")
         params = list(self.parameters())
         self.optimizer = program.optimizer(iter(params)) if program.optimizer else None
         rank_map, dp = program.rank_map, program.rank_map.dp_index(rank)
@@ -262,6 +272,24 @@ class RankProgram:
     def eval(self) -> RankProgram:
         return self.train(False)
 
+    def to(self, device: torch.device | str) -> RankProgram:
+        """Move this rank's modules (every GEMS copy) to ``device``; receive buffers and
+        batches follow. Before the first step: optimizer state made earlier would stay behind."""
+        device = torch.device(device)
+        if self.optimizer is not None and self.optimizer.state:
+            raise RuntimeError("move a rank program before its first step: its optimizer "
+                               "already holds state on the old device")
+        for m in self._modules():
+            m.to(device)
+        self.device = self.runtime.device = device
+        return self
+
+    def _on_device(self, v: Any) -> Any:
+        """A batch tensor on this rank's device (anything else as it is)."""
+        if isinstance(v, torch.Tensor) and v.device != self.device:
+            return v.to(self.device)
+        return v
+
     def train_step(self, x: torch.Tensor | None, y: Any) -> float:
         """One optimizer step on the global batch ``(x, y)``; returns the global mean loss.
 
@@ -271,6 +299,7 @@ class RankProgram:
         y: None on a rank that does not hold the last stage (only the loss reads targets)."""
         self._check_omitted(x, y)
         n = self._check_batch(x)
+        x, y = self._on_device(x), self._on_device(y)
         for p in self.parameters():
             p.grad = None
         xs = [None] * n if x is None else list(torch.tensor_split(x, n))
@@ -319,6 +348,7 @@ class RankProgram:
         """Inference on ``x`` with the modules' current mode; the output (concatenated over
         micro-batches) on the last stage's ranks, None elsewhere."""
         n = self._check_batch(x)
+        x = self._on_device(x)
         state = StepState(list(torch.tensor_split(x, n)), [None] * n, scale=1.0, train=False)
         actions = [a for a in self.program.schedule[self.rank]
                    if a.kind in ("F", "SEND_F", "RECV_F")]

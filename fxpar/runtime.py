@@ -9,13 +9,15 @@ batch is cut into ``chunks`` equal parts (data-parallel x GEMS x micro-batches),
 loss is divided by ``chunks``; their sum is then exactly the mean over the global batch, and the
 summed gradients are those of that mean.
 
-Communication: every receive is posted (``irecv``) by its RECV action and waited for by the
-compute action that needs it; every send is an ``isend`` whose request is completed at the end
-of the step, so no rank ever blocks in a send.
+Communication: every receive is posted (``irecv``) by its RECV action -- or earlier: the
+receives that follow a compute action in the list are posted before it runs, so their data
+can land during it -- and waited for by the compute action that needs it; every send is an
+``isend`` whose request is completed at the end of the step, so no rank ever blocks in a send.
 
 Timing (for ``fxpar-run --metrics``): set ``Runtime.timeline`` to a list and each action appends
 an :class:`ActionTime` (perf_counter start/end, and the seconds it sat blocked in request waits,
-``Comm.waitall`` or the gradient sync). With ``timeline`` None (the default) the loop only pays
+``Comm.waitall`` or the gradient sync), in the order the actions ran (a receive posted early
+before the compute action it follows). With ``timeline`` None (the default) the loop only pays
 one ``is None`` test per action and per wait. Halo exchanges and BatchNorm allreduces inside a
 spatial stage's F/B run in the stage module (fxpar.spatial.ops), so they count as compute here.
 """
@@ -126,6 +128,8 @@ class Runtime:
     """Sums gradients over the stage groups (the ALLREDUCE action)."""
     timeline: list[ActionTime] | None = None
     """When a list, every action run appends its :class:`ActionTime` (see the module doc)."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where receive buffers and zero gradients are made (the stage modules' device)."""
     _waited: float = field(default=0.0, repr=False)
 
     def run(self, state: StepState, actions: list[Action] | None = None) -> None:
@@ -136,8 +140,13 @@ class Runtime:
             "SEND_B": self._send_b, "RECV_B": self._recv_b, "ALLREDUCE": self._allreduce,
         }
         todo = self.schedule[self.rank] if actions is None else actions
+        early: set[int] = set()
         for i, action in enumerate(todo):
+            if i in early:
+                continue
             try:
+                if action.kind in ("F", "B"):
+                    early.update(self._post_early(todo, i, state, handlers))
                 if self.timeline is None:
                     handlers[action.kind](action, state)
                 else:
@@ -155,6 +164,24 @@ class Runtime:
                                    f"{type(e).__name__}: {e}") from e
         Comm.waitall(state.sends)
         state.sends.clear()
+
+    def _post_early(self, todo: list[Action], i: int, state: StepState,
+                    handlers: dict[str, Callable[[Action, StepState], None]]) -> list[int]:
+        """Post the receives listed between compute action ``i`` and the next one before
+        running ``i``: their data can then arrive while ``i`` computes. Returns their
+        indices (the loop skips them later; a timeline lists them when they ran)."""
+        done = []
+        for j in range(i + 1, len(todo)):
+            kind = todo[j].kind
+            if kind in ("F", "B", "STEP", "ALLREDUCE"):
+                break
+            if kind in ("RECV_F", "RECV_B"):
+                start = time.perf_counter()
+                handlers[kind](todo[j], state)
+                if self.timeline is not None:
+                    self.timeline.append(ActionTime(todo[j], start, time.perf_counter(), 0.0))
+                done.append(j)
+        return done
 
     def _block(self, wait: Callable[[], object]) -> None:
         """Run a blocking communication call; when recording, its time is the action's wait."""
@@ -187,7 +214,8 @@ class Runtime:
                 received[p.transfer.id] = p.buf
                 continue
             whole = received.setdefault(p.transfer.id, torch.empty(p.transfer.shape,
-                                                                   dtype=p.transfer.dtype))
+                                                                   dtype=p.transfer.dtype,
+                                                                   device=self.device))
             full = Rect((0, whole.shape[2]), (0, whole.shape[3]))
             hs, ws = full.local(p.rect)
             whole[:, :, hs, ws] = p.buf
@@ -295,14 +323,14 @@ class Runtime:
             if kind == "gather":
                 assert self.tiling is not None
                 for u in range(self.tiling.grid.size):
-                    buf = torch.empty(self._tile_shape(t, u), dtype=t.dtype)
+                    buf = torch.empty(self._tile_shape(t, u), dtype=t.dtype, device=self.device)
                     req = comm.irecv(buf, self.peer(a.copy, t.src, u), tag(t))
                     posted.append(Posted(t, buf, req,
                                          self.tiling.rect((t.shape[2], t.shape[3]), u)))
                 continue
             tile = self._my_tile(a) if kind == "tile" else 0
             shape = self._tile_shape(t, tile) if kind == "tile" and t.tiled else t.shape
-            buf = torch.empty(shape, dtype=t.dtype)
+            buf = torch.empty(shape, dtype=t.dtype, device=self.device)
             posted.append(Posted(t, buf, comm.irecv(buf, self.peer(a.copy, t.src, tile),
                                                     tag(t))))
         st.recv_f[(a.copy, a.stage, a.mb)] = posted
@@ -332,7 +360,7 @@ class Runtime:
                 continue  # a replicated value's gradient goes to tile 0 only (partial: 0 here)
             shape = self._tile_shape(t, my_tile) if kind in ("gather", "tile") and t.tiled \
                 else t.shape
-            buf = torch.empty(shape, dtype=t.dtype)
+            buf = torch.empty(shape, dtype=t.dtype, device=self.device)
             dst_tile = my_tile if kind == "tile" else 0
             posted.append(Posted(t, buf, comm.irecv(buf, self.peer(a.copy, t.dst, dst_tile),
                                                     self._tag(t, a, True))))
@@ -348,7 +376,8 @@ class Runtime:
             kind = self._kind(t)
             if kind == "gather":
                 assert self.tiling is not None
-                whole = torch.zeros(t.shape, dtype=t.dtype) if g is None else g
+                whole = torch.zeros(t.shape, dtype=t.dtype, device=self.device) if g is None \
+                    else g
                 full = Rect((0, t.shape[2]), (0, t.shape[3]))
                 for u in range(self.tiling.grid.size):
                     hs, ws = full.local(self.tiling.rect((t.shape[2], t.shape[3]), u))
@@ -358,6 +387,6 @@ class Runtime:
                 continue
             src_tile = self._my_tile(a) if kind == "tile" else 0
             shape = self._tile_shape(t, src_tile) if kind == "tile" and t.tiled else t.shape
-            g = torch.zeros(shape, dtype=t.dtype) if g is None else g
+            g = torch.zeros(shape, dtype=t.dtype, device=self.device) if g is None else g
             st.sends.append(comm.isend(g, self.peer(a.copy, t.src, src_tile),
                                        self._tag(t, a, True)))

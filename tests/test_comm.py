@@ -8,14 +8,15 @@ from fxpar.testing import run_cases
 
 HERE = Path(__file__).parent / "cases" / "comm_cases.py"
 CASES = [f"{HERE}::{n}" for n in ("case_p2p_ring", "case_recv_lands_in_place",
-                                  "case_collectives", "case_subcommunicators")]
+                                  "case_collectives", "case_subcommunicators",
+                                  "case_device_paths")]
 
 pytestmark = pytest.mark.mpi
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_cases(CASES, n=3, timeout=120)
+    return run_cases(CASES, n=3, timeout=240, pythonpath=[HERE.parent.parent])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.split("::")[1])

@@ -4,6 +4,7 @@ rank, in float64 — loss, every gradient, parameters after each optimizer step,
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,9 @@ from torch import nn
 
 import fxpar
 from fxpar.comm import Comm, world
+
+DEVICE = os.environ.get("FXPAR_TEST_DEVICE", "cpu")
+"""Where compiled and reference models train (tests/test_gpu.py sets cuda)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,13 @@ def check(case: Case, atol: float = 1e-9, rtol: float = 1e-7) -> fxpar.RankProgr
     program = fxpar.compile(model, case.plan, torch.empty(case.shape, dtype=torch.float64,
                                                           device="meta"), optimizer=sgd)
     rp = program.local(comm)
+    if DEVICE != "cpu":
+        from fxpar.device import bind
+
+        dev = bind(None, DEVICE)  # GPU by the launcher's node-local rank
+        rp.to(dev)
+        ref.to(dev)
+        x, y = x.to(dev), y.to(dev)
     ref_opt = sgd(ref.parameters())
     ref_params = dict(ref.named_parameters())
     chunks = case.plan.chunks()

@@ -83,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where each rank computes: cuda binds rank r of a node to GPU r %% GPUs "
+                   "(fxpar.device); auto: cuda when available (default)")
     p.add_argument("--data", type=Path, default=None, metavar="DIR",
                    help="image folder DIR/<class>/<image> (.npy, PNG, JPEG, TIFF); every image "
                    "image-size x image-size; default: synthetic data")
@@ -248,9 +251,13 @@ def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
         from fxpar.checkpoint import read_manifest
 
         read_manifest(a.resume)  # a missing or foreign folder fails here, on every rank
-    if Path(a.model).is_dir():
-        return _saved(a, comm)
-    return _compiled(a, comm)
+    from fxpar.device import bind
+
+    launched = comm is not None or any(v in os.environ for v in _LAUNCHER_VARS)
+    where = bind((comm or Comm()) if launched and a.device != "cpu" else None, a.device)
+    job = _saved(a, comm) if Path(a.model).is_dir() else _compiled(a, comm)
+    job.rp.to(where)
+    return job
 
 
 def train(rp: RankProgram, batches: Callable[[int], Batch], args: argparse.Namespace,

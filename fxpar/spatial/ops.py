@@ -15,15 +15,20 @@ gradient on each rank: the true gradient is the sum over the group. So:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
 from fxpar.comm import Comm, Request
+from fxpar.spatial import haloconv
 from fxpar.spatial.geometry import Exchange, Rect
 
 _GROUPS: dict[str, Comm] = {}
+FORCE_WINDOW = os.environ.get("FXPAR_HALO_WINDOW") == "1"
+"""True (env FXPAR_HALO_WINDOW=1): every halo convolution assembles its window, the path
+before fxpar.spatial.haloconv; tools/bench_spatial.py compares the two."""
 
 
 def group_key(stage: int, copy: int = 0) -> str:
@@ -135,41 +140,120 @@ class _HaloOp(torch.autograd.Function):
     """Halo exchange fused with the windowed op that reads it. The window (tile + halo) is
     not kept for backward: only the tile (which the previous op saves anyway) and the small
     received pieces are, so a tile's saved activations stay ~1/P of one device's. Convolution
-    gradients come straight from aten.convolution_backward; pooling is recomputed (cheap)."""
+    gradients come straight from aten.convolution_backward; pooling gradients from the pool's
+    own backward kernel (max pool keeps its argmax, as on one device; no recomputation).
+
+    A convolution whose geometry allows it never builds the window (fxpar.spatial.haloconv):
+    the tile's own part runs while the halo travels, the halo's part is added band by band,
+    and backward sends the halo gradients off before the tile's big convolution_backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, spec: HaloOp, *params: torch.Tensor
                 ) -> torch.Tensor:
-        window, pieces = _window(x, spec.exchange, spec.key, spec.replicated, spec.tag)
-        out = spec.compute(window, *params)
-        ctx.spec, ctx.pieces = spec, pieces
+        split = spec.split(params)
+        ctx.spec, ctx.split = spec, split
+        if split is None:
+            window, ctx.pieces = _window(x, spec.exchange, spec.key, spec.replicated, spec.tag)
+            if spec.kind == "conv":
+                ctx.save_for_backward(x, *params)
+                return spec.compute(window, *params)
+            # pooling: backward needs the window's shape and, for max, the argmax (which one
+            # device's max_pool keeps too), not the tile or the halo
+            ctx.window_shape, ctx.pieces = window.shape, None
+            if spec.kind == "avgpool":
+                return spec.compute(window)
+            c = spec.cfg
+            out, idx = torch.ops.aten.max_pool2d_with_indices(
+                window, _pair(c["kernel"]), _pair(c["stride"]), [0, 0], _pair(c["dilation"]))
+            ctx.save_for_backward(idx)
+            return out
         ctx.save_for_backward(x, *params)
-        return out
+        ex = spec.exchange
+        comm = group(spec.key)
+        n, c = x.shape[:2]
+        ctx.pieces = [(rect, x.new_empty((n, c, *rect.shape))) for _, rect in ex.recvs]
+        reqs = [comm.irecv(buf, src, tag=spec.tag)
+                for (src, _), (_, buf) in zip(ex.recvs, ctx.pieces, strict=True)]
+        reqs += [comm.isend(_region(x, ex.own, rect).contiguous(), dst, tag=spec.tag)
+                 for dst, rect in ex.sends]
+        out = haloconv.tile_part(x, split, spec.cfg, params)  # while the halo travels
+        Comm.waitall(reqs)
+        return haloconv.add_bands(out, x, ex, split, ctx.pieces, spec.cfg, params[0])
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         spec: HaloOp = ctx.spec
+        need = ctx.needs_input_grad
+        if ctx.split is not None:
+            x, *params = ctx.saved_tensors
+            return (*_split_backward(ctx, g, x, tuple(params)),)
+        if spec.kind != "conv":  # pooling
+            gx = None
+            if need[0]:
+                gx = _window_grad(_pool_grad(spec, ctx, g), spec.exchange, spec.key,
+                                  spec.replicated, spec.tag + 1)
+            return gx, None
         x, *params = ctx.saved_tensors
         window = _rebuild(x, spec.exchange, spec.replicated, ctx.pieces)
-        need = ctx.needs_input_grad
-        if spec.kind == "conv":
-            weight = params[0]
-            bias_sizes = [weight.shape[0]] if len(params) > 1 else None
-            gw, gwt, gb = torch.ops.aten.convolution_backward(
-                g, window, weight, bias_sizes, list(spec.cfg["stride"]), [0, 0],
-                list(spec.cfg["dilation"]), False, [0, 0], spec.cfg["groups"],
-                [need[0], need[2], len(params) > 1 and need[3]])
-            grads = [gwt, gb][:len(params)]
-        else:
-            with torch.enable_grad():
-                w = window.detach().requires_grad_(need[0])
-                out = spec.compute(w, *params)
-                gw = torch.autograd.grad(out, w, g)[0] if need[0] else None
-            grads = [None] * len(params)
+        weight = params[0]
+        bias_sizes = [weight.shape[0]] if len(params) > 1 else None
+        gw, gwt, gb = torch.ops.aten.convolution_backward(
+            g, window, weight, bias_sizes, list(spec.cfg["stride"]), [0, 0],
+            list(spec.cfg["dilation"]), False, [0, 0], spec.cfg["groups"],
+            [need[0], need[2], len(params) > 1 and need[3]])
         gx = None
         if need[0] and gw is not None:
             gx = _window_grad(gw, spec.exchange, spec.key, spec.replicated, spec.tag + 1)
-        return (gx, None, *grads)
+        return (gx, None, *[gwt, gb][:len(params)])
+
+
+def _pool_grad(spec: HaloOp, ctx: Any, g: torch.Tensor) -> torch.Tensor:
+    """The window's gradient of a max / average pool, without rebuilding the window: the
+    kernels read only its shape (max pool: the saved argmax)."""
+    c = spec.cfg
+    like = g.new_empty(ctx.window_shape)
+    if spec.kind == "maxpool":
+        idx = ctx.saved_tensors[0]
+        return torch.ops.aten.max_pool2d_with_indices_backward(
+            g, like, _pair(c["kernel"]), _pair(c["stride"]), [0, 0], _pair(c["dilation"]),
+            False, idx)
+    return torch.ops.aten.avg_pool2d_backward(g, like, _pair(c["kernel"]), _pair(c["stride"]),
+                                              [0, 0], False, True, c.get("divisor_override"))
+
+
+def _pair(v: Any) -> list[int]:
+    return [int(v), int(v)] if isinstance(v, int) else [int(u) for u in v]
+
+
+def _split_backward(ctx: Any, g: torch.Tensor, x: torch.Tensor,
+                    params: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+    """Backward of a split convolution: band gradients first, their halo part posted to the
+    owners, then the tile's convolution_backward while those messages travel."""
+    spec: HaloOp = ctx.spec
+    ex = spec.exchange
+    need = ctx.needs_input_grad
+    want_x, want_w = need[0], need[2]
+    halo, gw_bands = haloconv.band_grads(g, x, ex, ctx.split, ctx.pieces, spec.cfg, params[0],
+                                         want_x, want_w)
+    reqs: list[Request] = []
+    bufs: Pieces = []
+    if halo is not None:
+        comm = group(spec.key)
+        n, c = x.shape[:2]
+        for src, rect in ex.sends:  # they needed my cells: their gradients come back
+            bufs.append((rect, x.new_empty((n, c, *rect.shape))))
+            reqs.append(comm.irecv(bufs[-1][1], src, tag=spec.tag + 1))
+        reqs += [comm.isend(gh, dst, tag=spec.tag + 1)
+                 for (dst, _), gh in zip(ex.recvs, halo, strict=True)]
+    gx, gw, gb = haloconv.tile_grads(g, x, ctx.split, spec.cfg, params,
+                                     (want_x, want_w, len(params) > 1 and need[3]))
+    if gw is not None and gw_bands is not None:
+        gw += gw_bands
+    Comm.waitall(reqs)
+    if gx is not None:
+        for rect, buf in bufs:
+            _region(gx, ex.own, rect).add_(buf)
+    return [gx, None, gw, gb][:2 + len(params)]
 
 
 class Halo(nn.Module):
@@ -274,7 +358,15 @@ def spatial_mean(x: torch.Tensor, key: str, count: int, keepdim: bool = True) ->
 
 class _SyncBatchNorm(torch.autograd.Function):
     """Training-mode BatchNorm with statistics over all tiles. Saves only the input and the
-    per-channel statistics (like PyTorch's own kernel), so tiles keep 1/P of the memory."""
+    per-channel statistics (like PyTorch's own kernel), so tiles keep 1/P of the memory.
+
+    The passes over the tile are the local sums (sum and sum of squares: on CPU 15x faster
+    than ``var_mean``), then PyTorch's fused kernels: the normalisation (``batch_norm`` in
+    eval form, fed the global statistics) and, backward, ``native_batch_norm_backward`` in
+    eval form (gy * w * invstd and the local parameter-gradient sums) plus one more eval-form
+    ``batch_norm`` for the correction terms the global statistics add. Written with
+    elementwise ops this took ~4x longer per element than one device's BatchNorm (measured on
+    CPU; issue 7's profile)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
@@ -284,29 +376,27 @@ class _SyncBatchNorm(torch.autograd.Function):
         group(key).allreduce(sums)
         mean = sums[0] / count
         var = (sums[1] / count - mean * mean).clamp_min(0)
-        invstd = torch.rsqrt(var + eps)
-        shape = (1, -1, 1, 1)
-        y = (x - mean.view(shape)) * invstd.view(shape)
-        if weight is not None:
-            y = y * weight.view(shape) + bias.view(shape)
-        ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.key, ctx.count = key, count
+        y = nn.functional.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.key, ctx.count, ctx.eps = key, count, eps
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor, _gm: Any, _gv: Any) -> tuple[Any, ...]:
-        x, weight, mean, invstd = ctx.saved_tensors
-        shape = (1, -1, 1, 1)
-        xhat = (x - mean.view(shape)) * invstd.view(shape)
-        local = torch.stack([gy.sum(dim=(0, 2, 3)), (gy * xhat).sum(dim=(0, 2, 3))])
-        total = group(ctx.key).allreduce(local.clone())
-        scale = invstd if weight is None else invstd * weight
-        gx = (gy - total[0].view(shape) / ctx.count
-              - xhat * (total[1].view(shape) / ctx.count)) * scale.view(shape)
+        x, weight, mean, var = ctx.saved_tensors
+        w = weight if weight is not None else torch.ones_like(mean)
+        gx, gw_l, gb_l = torch.ops.aten.native_batch_norm_backward(
+            gy.contiguous(), x, w, mean, var, None, None, False, ctx.eps, [True, True, True])
+        total = group(ctx.key).allreduce(torch.stack([gb_l, gw_l]))
+        # gx = scale * (gy - sum(gy)/count - xhat * sum(gy * xhat)/count): the first term is
+        # gx above; the rest is xhat times a per-channel factor plus a per-channel constant
+        scale = torch.rsqrt(var + ctx.eps) * w
+        gx += nn.functional.batch_norm(x, mean, var, -scale * total[1] / ctx.count,
+                                       -scale * total[0] / ctx.count, False, 0.0, ctx.eps)
         # parameter gradients stay local: the stage's ALLREDUCE sums them over the tiles
-        gw = local[1] if weight is not None and ctx.needs_input_grad[1] else None
-        gb = local[0] if weight is not None and ctx.needs_input_grad[2] else None
+        gw = gw_l if weight is not None and ctx.needs_input_grad[1] else None
+        gb = gb_l if weight is not None and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None, None
 
 
@@ -362,6 +452,17 @@ class HaloOp(nn.Module):
     def emit_args(self) -> dict[str, Any]:
         return {"exchange": self.exchange, "key": self.key, "kind": self.kind,
                 "cfg": self.cfg, "replicated": self.replicated, "tag": self.tag}
+
+    def split(self, params: tuple[torch.Tensor, ...]) -> haloconv.Split | None:
+        """How this convolution splits into tile and halo parts (None: assemble the window);
+        worked out once, from the weight's kernel size."""
+        if self.kind != "conv" or self.replicated or FORCE_WINDOW:
+            return None
+        if not hasattr(self, "_split"):
+            kernel = (int(params[0].shape[2]), int(params[0].shape[3]))
+            self._split = haloconv.plan(self.exchange, kernel, tuple(self.cfg["stride"]),
+                                        tuple(self.cfg["dilation"]))
+        return self._split
 
     def compute(self, window: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         c = self.cfg

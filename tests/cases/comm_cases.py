@@ -1,9 +1,12 @@
 """Comm primitives on real ranks (run by tests/test_comm.py under mpiexec)."""
 
+import os
 import time
 
 import torch
+from torch import nn
 
+import fxpar
 from fxpar.comm import world
 
 
@@ -87,3 +90,45 @@ def case_fails_after_peers_left() -> None:
     if world().rank == 0:
         time.sleep(1.5)
         raise RuntimeError("injected late failure on rank 0")
+
+
+class _Tiny(nn.Module):
+    """conv-BN-ReLU, conv, global mean, linear, BN: halos, BN allreduces, a pipeline cut with
+    BatchNorm statistics on both sides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                                  nn.Conv2d(4, 4, 3, padding=1))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 5)
+        self.bn = nn.BatchNorm1d(5)
+
+    def forward(self, x):
+        return self.bn(self.fc(torch.flatten(self.pool(self.body(x)), 1)))
+
+
+def case_device_paths() -> None:
+    """The GPU path's logic on CPU: host staging forced for every tensor (FXPAR_FORCE_STAGING)
+    and the torch.distributed backend (gloo) each train a 2-tile spatial plan and a 2-stage
+    pipeline exactly like one process (tests/transparency.py, float64, one step)."""
+    from transparency import Case, check
+
+    from fxpar.comm_torch import TorchComm
+
+    for env in ({"FXPAR_FORCE_STAGING": "1"}, {"FXPAR_COMM": "torch"}):
+        os.environ.update(env)
+        try:
+            for plan in (fxpar.Plan(spatial_parts=2), fxpar.Plan(stages=2, microbatches=2)):
+                rp = check(Case(_Tiny, (4, 3, 9, 8), plan, steps=1))
+                if rp is None:
+                    continue
+                assert rp.comm is not None
+                if "FXPAR_COMM" in env:
+                    assert isinstance(rp.comm, TorchComm), type(rp.comm)
+                else:  # every message really went through host buffers, and they are reused
+                    staged = rp.comm._route.staging
+                    assert 0 < staged.allocated < 40, staged.allocated
+        finally:
+            for k in env:
+                del os.environ[k]

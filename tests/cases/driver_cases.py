@@ -170,8 +170,10 @@ def case_cli_trains_image_folder_prints_table_and_writes_metrics():
         assert entry["rank"] == r
         assert entry["roles"] == [{"copy": 0, "stage": s, "tile": t}
                                   for s, t in [(0, 0), (0, 1), (1, 0)][r:r + 1]]
-        assert [e["action"] for e in entry["timeline"]] == [str(a) for a in
-                                                            program.schedule[r]]
+        # every action once, in the order it ran: receives are posted before the compute
+        # action they follow in the schedule (fxpar.runtime), so only the multiset is fixed
+        assert sorted(e["action"] for e in entry["timeline"]) == sorted(str(a) for a in
+                                                                    program.schedule[r])
         ends = [e["end"] for e in entry["timeline"]]
         assert ends == sorted(ends) and all(0 <= e["start"] <= e["end"] for e in
                                             entry["timeline"])

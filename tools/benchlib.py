@@ -1,0 +1,205 @@
+"""Shared pieces of fxpar's benchmarks (``tools/bench.py`` is the entry point).
+
+A benchmark is a module ``tools/bench_<name>.py`` with::
+
+    TITLE: str                                  # section heading in docs/benchmarks.md
+    def add_args(parser) -> None                # its own options (optional)
+    def run(opts: argparse.Namespace) -> dict   # measure; returns a Section (below)
+
+and, when it needs subprocesses, a worker mode reached through ``worker_command`` (the driver
+never imports MPI itself: a singleton MPI_Init in the parent could clash with the mpiexec it
+launches). A Section is plain JSON::
+
+    {"name": "spatial", "title": TITLE, "command": "...", "method": "markdown paragraph",
+     "tables": [{"title": "...", "columns": [...], "rows": [[...], ...]}],
+     "plots": [{"file": "spatial_memory.png", "title": "...", "xlabel": "...", "ylabel": "...",
+                "kind": "line" | "bar", "series": {"label": [[x, y], ...]}}],
+     "aims": [{"what": "...", "aim": "<= 1.03x", "measured": "1.01x (0.99-1.04)",
+               "met": true, "why": "markdown: why missed and what would close it"}],
+     "notes": "markdown", "raw": {...anything else worth keeping...}}
+
+``tools/bench.py`` collects the sections into one JSON file and renders docs/benchmarks.md
+(tables, the aims summary, matplotlib plots under docs/bench/).
+
+Noise: the machines are small shared VMs. Measure every system of a comparison in the same
+round, rotate their order from round to round, wait for a quiet machine before each launch
+(``wait_quiet``), and report medians and ranges of per-round ratios (``spread``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")  # the mpich wheel's, in the venv
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median and range: a noisy 2-core VM makes means and single runs misleading."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def fmt_spread(s: dict[str, float], unit: str = "", digits: int = 2) -> str:
+    """``1.84x (1.79-1.90)``."""
+    f = f"{{:.{digits}f}}"
+    return (f"{f.format(s['median'])}{unit} ({f.format(s['min'])}-{f.format(s['max'])}"
+            f"{unit})")
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers depend on."""
+    import torch
+
+    cpu = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text())
+    return {"nproc": os.cpu_count(), "cpu": cpu.group(1) if cpu else platform.processor(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def cpu_busy() -> float:
+    """CPU-seconds all cores have been busy since boot (/proc/stat: all but idle and iowait;
+    steal counts, since a neighbour VM taking our cores is noise too)."""
+    f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu() -> float:
+    """CPU-seconds of every waited-for descendant (mpiexec waits for its ranks)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def wait_quiet(max_foreign: float = 0.25, limit: float = 120.0) -> float:
+    """Wait (up to ``limit`` s) until other processes use under ``max_foreign`` cores; returns
+    the seconds waited. On a 2-core machine one concurrent job halves a rank's speed."""
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        b0 = cpu_busy()
+        time.sleep(2.0)
+        if (cpu_busy() - b0) / 2.0 < max_foreign:
+            break
+    return time.time() - t0
+
+
+def free_port() -> int:
+    """A port for a torch.distributed rendezvous; fresh per launch."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def thread_env(threads: int, src: Path = ROOT) -> dict[str, str]:
+    """The environment of a worker: ``threads`` intra-op threads, fxpar imported from ``src``."""
+    return {**os.environ, **dict.fromkeys(THREAD_VARS, str(threads)),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+
+
+def worker_command(script: str, args: Sequence[str], ranks: int | None = None) -> list[str]:
+    """``python tools/<script> --worker ...``, under ``mpiexec -n ranks`` when ranks is given."""
+    cmd = [sys.executable, str(ROOT / "tools" / script), *args]
+    return [MPIEXEC, "-n", str(ranks), *cmd] if ranks is not None else cmd
+
+
+def launch(cmd: Sequence[str], env: dict[str, str], timeout: float = 900.0,
+           cwd: Path = ROOT) -> dict[str, Any]:
+    """Run one worker; its last ``BENCH {json}`` stdout line, with ``foreign`` (the cores other
+    processes used meanwhile: busy CPU minus our own) and ``wall`` added. A failure raises
+    with the worker's output tail; a timeout kills the whole process group."""
+    import json
+
+    t0, b0, c0 = time.time(), cpu_busy(), children_cpu()
+    proc = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # our own session: mpiexec and its ranks
+        out, err = proc.communicate()
+    wall = time.time() - t0
+    foreign = max(0.0, (cpu_busy() - b0) - (children_cpu() - c0)) / wall
+    lines = [ln for ln in out.splitlines() if ln.startswith("BENCH ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"worker {' '.join(cmd)} failed (rc {proc.returncode}):\n"
+                           f"{out[-4000:]}\n{err[-8000:]}")
+    return {**json.loads(lines[-1].removeprefix("BENCH ")), "foreign": foreign, "wall": wall}
+
+
+def measure(cmd: Sequence[str], env: dict[str, str], *, retries: int = 3,
+            max_foreign: float = 0.25, timeout: float = 900.0) -> dict[str, Any]:
+    """``launch`` after a quiet spell, repeated while another process took more than
+    ``max_foreign`` cores during it (the last attempt is kept either way, marked)."""
+    rec: dict[str, Any] = {}
+    for attempt in range(retries + 1):
+        waited = wait_quiet(max_foreign)
+        rec = launch(cmd, env, timeout)
+        rec.update(attempt=attempt, waited=waited)
+        if rec["foreign"] < max_foreign:
+            break
+        again = "; again" if attempt < retries else "; kept (no retries left)"
+        print(f"  {rec['foreign']:.2f} foreign cores meanwhile{again}", file=sys.stderr,
+              flush=True)
+    return rec
+
+
+def emit(record: dict[str, Any]) -> None:
+    """A worker's result: one ``BENCH {json}`` line on stdout (rank 0 only, by convention)."""
+    import json
+
+    print("BENCH " + json.dumps(record), flush=True)
+
+
+def rotate(items: Sequence[Any], round_: int) -> list[Any]:
+    """``items`` rotated by ``round_``: each round measures the systems in another order."""
+    k = round_ % len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+_SECTION_T0: dict[str, float] = {}
+
+
+def progress(section: str, done: int, total: int, what: str = "") -> None:
+    """``[single] round 2/5 resnet18 (41 s elapsed)`` on stderr: a benchmark that runs for
+    minutes shows where it is. Elapsed counts from the section's first progress line."""
+    t0 = _SECTION_T0.setdefault(section, time.time())
+    extra = f" {what}" if what else ""
+    print(f"[{section}] round {done}/{total}{extra} ({time.time() - t0:.0f} s elapsed)",
+          file=sys.stderr, flush=True)
+
+
+def snapshot(rev: str) -> tuple[Path, str]:
+    """``rev`` exported to a temporary folder (``git archive``; the repository is only read)
+    and its short hash: workers import fxpar from there (``thread_env(threads, src=folder)``),
+    so a long run measures one commit however the working tree changes meanwhile."""
+    import atexit
+    import io
+    import shutil
+    import tarfile
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="bench-fxpar-"))
+    atexit.register(shutil.rmtree, folder, True)  # also when a worker fails
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True)
+    tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(folder, filter="data")
+    short = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True,
+                           check=True, text=True).stdout.strip()
+    return folder, short
