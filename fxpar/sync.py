@@ -35,6 +35,17 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
+def _total(slot: tuple[nn.Parameter, ...]) -> torch.Tensor:
+    """The sum of one parameter's gradients over this rank's copies of the stage (the
+    gradient itself, not a copy, when there is one copy)."""
+    if len(slot) == 1:
+        return _grad(slot[0])
+    total = _grad(slot[0]) + _grad(slot[1])
+    for p in slot[2:]:
+        total += _grad(p)
+    return total
+
+
 @dataclass
 class Member:
     """One copy of a stage on this rank."""
@@ -116,8 +127,7 @@ class StageSync:
             self.early += 1
 
     def _launch(self, k: int) -> None:
-        flat = torch.cat([sum(_grad(p) for p in self.slots[j]).reshape(-1)  # type: ignore[union-attr]
-                          for j in self.buckets[k]])
+        flat = torch.cat([_total(self.slots[j]).reshape(-1) for j in self.buckets[k]])
         assert self.comm is not None
         self.pending.append((flat, self.comm.iallreduce(flat)))
         self.next_bucket += 1
@@ -140,8 +150,10 @@ class StageSync:
             offset = 0
             for j in self.buckets[k]:
                 n = self.slots[j][0].numel()
-                for p in self.slots[j]:
-                    p.grad = flat[offset:offset + n].view_as(p).clone()
+                total = flat[offset:offset + n].view_as(self.slots[j][0])
+                self.slots[j][0].grad = total  # a view of the bucket, not a copy
+                for p in self.slots[j][1:]:  # other GEMS copies get their own (in-place
+                    p.grad = total.clone()   # changes to one must not reach the other)
                 offset += n
         self.pending = []
 

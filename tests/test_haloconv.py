@@ -107,3 +107,30 @@ def test_thin_tiles_keep_the_window_path():
     assert split(2 * ratio - 2) is None  # tiles of ratio - 1 columns, a band of 1
     wide = split(2 * ratio)
     assert wide is not None and [b.out.shape for b in wide.bands] == [(8, 1)]
+
+
+def test_window_assembly_pads_exactly_outside_the_image():
+    """fxpar.spatial.ops._rebuild (the window path) writes the tile and the pieces, and the
+    pad value only outside the image, for tiles and for a replicated tensor."""
+    from fxpar.spatial.ops import _rebuild
+
+    gen = torch.Generator().manual_seed(0)
+    for (h, w), grid_shape, k, s, p in itertools.product(
+            [(13, 17), (8, 8)], [(1, 2), (2, 2), (3, 1)], [1, 3, 5], [1, 2], [0, 1, 2]):
+        ho, wo = out_extent(h, k, s, p, 1), out_extent(w, k, s, p, 1)
+        grid = Grid(*grid_shape)
+        if ho < grid.rows or wo < grid.cols:
+            continue
+        x = torch.randn(1, 2, h, w, generator=gen)
+        needs = [Rect(window_rows(o.h, k, s, p, 1), window_rows(o.w, k, s, p, 1))
+                 for o in (grid.tile_rect((ho, wo), t) for t in range(grid.size))]
+        for t, fill in itertools.product(range(grid.size), (0.0, float("-inf"))):
+            ex = exchange(grid, (h, w), needs, t, fill)
+            want = torch.full((1, 2, *ex.need.shape), fill)
+            inside = ex.need.intersect(Rect((0, h), (0, w)))
+            if inside is not None:
+                hs, ws = ex.need.local(inside)
+                want[:, :, hs, ws] = _cut(x, inside)
+            pieces = [(r, _cut(x, r).contiguous()) for _, r in ex.recvs]
+            assert torch.equal(_rebuild(_cut(x, ex.own).contiguous(), ex, False, pieces), want)
+            assert torch.equal(_rebuild(x, ex, True, []), want)

@@ -82,9 +82,11 @@ def _ranges(n_in: int, n_own: int, before: int, got_before: bool, got_after: boo
 
 
 def plan(ex: Exchange, kernel: tuple[int, int], stride: tuple[int, int],
-         dilation: tuple[int, int], min_ratio: int = MIN_RATIO) -> Split | None:
+         dilation: tuple[int, int], min_ratio: int | None = None) -> Split | None:
     """The split of this exchange's convolution, or None where the window path is used (the
-    geometry does not split, or a band is thicker than 1/``min_ratio`` of the tile)."""
+    geometry does not split, or a band is thicker than 1/``min_ratio`` of the tile; default
+    :data:`MIN_RATIO`, read at each call)."""
+    min_ratio = MIN_RATIO if min_ratio is None else min_ratio
     top, bottom, left, right = ex.halo_widths()
     own_h, own_w = ex.own.shape
     win_h, win_w = ex.need.shape

@@ -80,13 +80,24 @@ def _window(x: torch.Tensor, ex: Exchange, key: str, replicated: bool, tag: int
 def _rebuild(x: torch.Tensor, ex: Exchange, replicated: bool, pieces: Pieces) -> torch.Tensor:
     """The window again, from the tile and the saved pieces (no communication)."""
     n, c = x.shape[:2]
-    out = x.new_full((n, c, *ex.need.shape), ex.fill)
+    out = x.new_empty((n, c, *ex.need.shape))
     own = Rect((0, ex.extent[0]), (0, ex.extent[1])) if replicated else ex.own
     local = ex.need.intersect(own)
     if local is not None:
         _region(out, ex.need, local).copy_(_region(x, own, local))
     for rect, buf in pieces:
         _region(out, ex.need, rect).copy_(buf)
+    # the tile and the pieces cover the window's part inside the image; pad the rest
+    height, width = ex.need.shape
+    top = min(height, max(0, -ex.need.h[0]))
+    bottom = min(height - top, max(0, ex.need.h[1] - ex.extent[0]))
+    left = min(width, max(0, -ex.need.w[0]))
+    right = min(width - left, max(0, ex.need.w[1] - ex.extent[1]))
+    for r0, r1, c0, c1 in ((0, top, 0, width), (height - bottom, height, 0, width),
+                           (top, height - bottom, 0, left),
+                           (top, height - bottom, width - right, width)):
+        if r1 > r0 and c1 > c0:
+            out[:, :, r0:r1, c0:c1] = ex.fill
     return out
 
 
@@ -102,7 +113,6 @@ def _window_grad(g: torch.Tensor, ex: Exchange, key: str, replicated: bool, tag:
             _region(gx, full, inside).copy_(_region(g, ex.need, inside))
         return gx  # a partial gradient of a replicated tensor
     comm = group(key)
-    gx = g.new_zeros((n, c, *ex.own.shape))
     reqs: list[Request] = []
     bufs = []
     for src, rect in ex.sends:  # they needed my cells: their gradients come back
@@ -112,8 +122,12 @@ def _window_grad(g: torch.Tensor, ex: Exchange, key: str, replicated: bool, tag:
     for dst, rect in ex.recvs:
         reqs.append(comm.isend(_region(g, ex.need, rect).contiguous(), dst, tag=tag))
     local = ex.local
-    if local is not None:
-        _region(gx, ex.own, local).add_(_region(g, ex.need, local))
+    if local == ex.own:  # the usual case: the window holds the whole tile
+        gx = _region(g, ex.need, local).clone(memory_format=torch.contiguous_format)
+    else:
+        gx = g.new_zeros((n, c, *ex.own.shape))
+        if local is not None:
+            _region(gx, ex.own, local).add_(_region(g, ex.need, local))
     Comm.waitall(reqs)
     for rect, buf in bufs:
         _region(gx, ex.own, rect).add_(buf)

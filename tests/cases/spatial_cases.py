@@ -115,3 +115,33 @@ def case_sp_pp_unet_tiles_to_one_rank():
     check(Case(lambda: models.build("unet", num_classes=3, base_channels=4, depth=3),
                (4, 3, 32, 32), fxpar.Plan(stages=2, spatial_parts=3, slice="horizontal",
                                           microbatches=2), classes=3, segmentation=True))
+
+
+def _split_everywhere(case: Case) -> None:
+    """Run ``case`` with every convolution that can split taking fxpar.spatial.haloconv's path
+    (test images are too small for the cost rule to choose it), and check some did."""
+    from fxpar.spatial import haloconv
+    from fxpar.spatial.ops import HaloOp
+
+    old, haloconv.MIN_RATIO = haloconv.MIN_RATIO, 0
+    try:
+        rp = check(case)
+    finally:
+        haloconv.MIN_RATIO = old
+    ops = [m for s in rp.stages.values() for m in s.modules() if isinstance(m, HaloOp)] \
+        if rp is not None else []
+    if ops:  # a rank of a spatial stage
+        assert any(getattr(m, "_split", None) is not None for m in ops), "nothing split"
+
+
+def case_split_convolutions_resnet18_p4_square():
+    _split_everywhere(Case(lambda: tvm.resnet18(num_classes=5), (2, 3, 64, 64),
+                           fxpar.Plan(spatial_parts=4)))
+
+
+def case_split_convolutions_sp_pp_amoebanet_p3_vertical():
+    _split_everywhere(Case(lambda: models.build("amoebanet", num_classes=5, num_layers=1,
+                                                num_filters=8),
+                           (4, 3, 48, 48),
+                           fxpar.Plan(stages=2, spatial_parts=3, slice="vertical",
+                                      microbatches=2, schedule="1f1b")))
