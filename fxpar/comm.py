@@ -43,16 +43,20 @@ def _mpi() -> Any:
     return MPI
 
 
-def _buffer(t: torch.Tensor, *, writable: bool) -> np.ndarray:
-    """A NumPy view of CPU tensor ``t``'s memory (no copy)."""
+def _prepared(t: torch.Tensor, *, writable: bool) -> torch.Tensor:
+    """``t`` as MPI reads it: contiguous (a receive buffer must already be: data would land
+    in a copy), detached, bit-cast where NumPy has no type for its dtype."""
     if not t.is_contiguous():
         if writable:
             raise ValueError("receive buffer must be contiguous (data would land in a copy)")
         t = t.contiguous()
     t = t.detach()
-    if t.dtype in _BITCAST:
-        t = t.view(_BITCAST[t.dtype])
-    return t.numpy()
+    return t.view(_BITCAST[t.dtype]) if t.dtype in _BITCAST else t
+
+
+def _buffer(t: torch.Tensor, *, writable: bool) -> np.ndarray:
+    """A NumPy view of CPU tensor ``t``'s memory (no copy)."""
+    return _prepared(t, writable=writable).numpy()
 
 
 class Request:
@@ -157,13 +161,7 @@ class Staging:
 def _direct(t: torch.Tensor, *, writable: bool) -> torch.Tensor:
     """``t`` itself for a CUDA-aware MPI (read through ``__cuda_array_interface__``/DLPack),
     after its stream has finished every kernel queued on it."""
-    if not t.is_contiguous():
-        if writable:
-            raise ValueError("receive buffer must be contiguous (data would land in a copy)")
-        t = t.contiguous()
-    t = t.detach()
-    if t.dtype in _BITCAST:
-        t = t.view(_BITCAST[t.dtype])
+    t = _prepared(t, writable=writable)
     torch.cuda.current_stream(t.device).synchronize()
     return t
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_spatial  # noqa: E402
+import benchlib  # noqa: E402
 
 TITLE = "Spatial parallelism: memory per rank and the largest trainable image"
 MEMORY_AIM = 0.30  # per-rank / one-process, at P=4
@@ -332,15 +332,7 @@ def section(measured: dict[str, dict[str, Any]], est: list[dict[str, Any]],
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=1, help="unused: one step per system")
-    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the plumbing")
-    p.add_argument("--max-foreign", type=float, default=0.25)
-    p.add_argument("--retries", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=900.0)
-    add_args(p)
-    print(json.dumps(run(p.parse_args(argv)), indent=1))
-    return 0
+    return benchlib.standalone(__doc__.split("\n\n")[0], add_args, run, argv)
 
 
 if __name__ == "__main__":

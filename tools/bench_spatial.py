@@ -19,7 +19,6 @@ vs P. Run through ``tools/bench.py --only spatial``, or alone:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -544,15 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--worker" in argv:
         worker(worker_parser().parse_args(argv))
         return 0
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the plumbing")
-    p.add_argument("--max-foreign", type=float, default=0.25)
-    p.add_argument("--retries", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=900.0)
-    add_args(p)
-    print(json.dumps(run(p.parse_args(argv)), indent=1))
-    return 0
+    return benchlib.standalone(__doc__.split("\n\n")[0], add_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -203,3 +203,21 @@ def snapshot(rev: str) -> tuple[Path, str]:
     short = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True,
                            check=True, text=True).stdout.strip()
     return folder, short
+
+
+def standalone(description: str, add_args: Any, run: Any, argv: Sequence[str] | None,
+               rounds: int = 1) -> int:
+    """``python tools/bench_<name>.py [--quick] ...``: one section alone, its Section JSON on
+    stdout (the common options of tools/bench.py, then the section's own)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--quick", action="store_true", help="tiny sizes: checks the plumbing")
+    p.add_argument("--max-foreign", type=float, default=0.25)
+    p.add_argument("--retries", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=900.0)
+    add_args(p)
+    print(json.dumps(run(p.parse_args(argv)), indent=1))
+    return 0
