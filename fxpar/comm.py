@@ -31,6 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from fxpar import failfast
+from fxpar.failfast import watching
+
 # dtypes NumPy has no type for travel as same-width integers (bit patterns are preserved); they
 # can be sent and received but not reduced.
 _BITCAST = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8,
@@ -63,13 +66,16 @@ class Request:
     """A pending nonblocking operation; keeps its buffer alive until :meth:`wait`, then runs
     ``done`` once (a staged receive's copy into the device tensor, returning host buffers)."""
 
-    def __init__(self, req: Any, keep: object, done: Callable[[], None] | None = None) -> None:
+    def __init__(self, req: Any, keep: object, done: Callable[[], None] | None = None,
+                 what: Callable[[], str] = lambda: "a request") -> None:
         self._req = req
         self._keep = keep
         self._done = done
+        self._what = what
 
     def wait(self) -> None:
-        self._req.Wait()
+        with watching(self._what):
+            self._req.Wait()
         self._finish()
 
     def test(self) -> bool:
@@ -240,20 +246,28 @@ class Comm:
         """Start sending ``t`` to ``dst`` (a non-contiguous ``t`` is sent from a copy)."""
         if self._plain and t.device.type == "cpu":
             buf = _buffer(t, writable=False)
-            return Request(self._c.Isend(buf, dest=dst, tag=tag), buf)
+            return Request(self._c.Isend(buf, dest=dst, tag=tag), buf,
+                           what=lambda: self._p2p("send", t, "to", dst, tag))
         buf, done = self._route.out(t)
-        return Request(self._c.Isend(buf, dest=dst, tag=tag), buf, done)
+        return Request(self._c.Isend(buf, dest=dst, tag=tag), buf, done,
+                       lambda: self._p2p("send", t, "to", dst, tag))
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Request:
         """Start receiving into ``t`` (contiguous) from ``src``; ``t`` holds the data once the
         request's ``wait`` returned."""
         if self._plain and t.device.type == "cpu":
             buf = _buffer(t, writable=True)
-            return Request(self._c.Irecv(buf, source=src, tag=tag), buf)
+            return Request(self._c.Irecv(buf, source=src, tag=tag), buf,
+                           what=lambda: self._p2p("receive", t, "from", src, tag))
         buf, done = self._route.into(t)
-        return Request(self._c.Irecv(buf, source=src, tag=tag), buf, done)
+        return Request(self._c.Irecv(buf, source=src, tag=tag), buf, done,
+                       lambda: self._p2p("receive", t, "from", src, tag))
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        with watching(lambda: self._p2p("send", t, "to", dst, tag)):
+            self._send(t, dst, tag)
+
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
         if self._plain and t.device.type == "cpu":
             self._c.Send(_buffer(t, writable=False), dest=dst, tag=tag)
             return
@@ -262,6 +276,10 @@ class Comm:
         done()
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        with watching(lambda: self._p2p("receive", t, "from", src, tag)):
+            return self._recv(t, src, tag)
+
+    def _recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         if self._plain and t.device.type == "cpu":
             self._c.Recv(_buffer(t, writable=True), source=src, tag=tag)
             return t
@@ -273,6 +291,11 @@ class Comm:
     def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
                  tag: int = 0) -> torch.Tensor:
         """Send ``send`` to ``dst`` while receiving into ``recv`` from ``src``."""
+        with watching(lambda: self._p2p("receive", recv, "from", src, tag)):
+            return self._sendrecv(send, dst, recv, src, tag)
+
+    def _sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
+                  tag: int) -> torch.Tensor:
         if self._plain and send.device.type == "cpu" and recv.device.type == "cpu":
             self._c.Sendrecv(_buffer(send, writable=False), dest=dst, sendtag=tag,
                              recvbuf=_buffer(recv, writable=True), source=src, recvtag=tag)
@@ -292,6 +315,10 @@ class Comm:
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place allreduce of ``t`` (sum, max or min); returns ``t``."""
+        with watching(lambda: self._coll(f"allreduce ({op})", t)):
+            return self._allreduce(t, op)
+
+    def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         if t.dtype in _BITCAST:
             raise TypeError(f"allreduce of {t.dtype} is not supported: reduce in float32")
         mpi = _mpi()
@@ -309,12 +336,18 @@ class Comm:
         mpi = _mpi()
         if self._plain and t.device.type == "cpu":
             buf = _buffer(t, writable=True)
-            return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf)
+            return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf,
+                           what=lambda: self._coll("allreduce (sum)", t))
         buf, done = self._route.inout(t)
-        return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf, done)
+        return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf, done,
+                       lambda: self._coll("allreduce (sum)", t))
 
     def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape on all ranks), in rank order, on ``t``'s device."""
+        with watching(lambda: self._coll("allgather", t)):
+            return self._allgather(t)
+
+    def _allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
         if self._plain and t.device.type == "cpu":
             self._c.Allgather(_buffer(t, writable=False), _buffer(out, writable=True))
@@ -328,6 +361,10 @@ class Comm:
 
     def gather(self, t: torch.Tensor, root: int = 0) -> list[torch.Tensor] | None:
         """Every rank's ``t`` on ``root`` (in rank order); None elsewhere."""
+        with watching(lambda: self._coll("gather", t)):
+            return self._gather(t, root)
+
+    def _gather(self, t: torch.Tensor, root: int) -> list[torch.Tensor] | None:
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device) \
             if self.rank == root else None
         if self._plain and t.device.type == "cpu":
@@ -343,6 +380,10 @@ class Comm:
 
     def bcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """In-place broadcast of ``t`` from ``root``."""
+        with watching(lambda: self._coll("broadcast", t)):
+            return self._bcast(t, root)
+
+    def _bcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
         if self._plain and t.device.type == "cpu":
             self._c.Bcast(_buffer(t, writable=True), root=root)
             return t
@@ -353,21 +394,46 @@ class Comm:
 
     def allgather_object(self, obj: object) -> list[Any]:
         """Every rank's picklable ``obj`` (for start-up checks, not for the hot path)."""
-        return list(self._c.allgather(obj))
+        with watching(lambda: self._coll("allgather of Python objects")):
+            return list(self._c.allgather(obj))
 
     def gather_object(self, obj: object, root: int = 0) -> list[Any] | None:
-        return self._c.gather(obj, root=root)
+        with watching(lambda: self._coll("gather of Python objects")):
+            return self._c.gather(obj, root=root)
 
     def bcast_object(self, obj: object, root: int = 0) -> Any:
-        return self._c.bcast(obj, root=root)
+        with watching(lambda: self._coll("broadcast of Python objects")):
+            return self._c.bcast(obj, root=root)
 
     def barrier(self) -> None:
-        self._c.Barrier()
+        with watching(lambda: self._coll("barrier")):
+            self._c.Barrier()
+
+    # -- descriptions for the watchdog (built only when it fires) -----------------------------
+    def _world_rank(self, r: int) -> int:
+        mpi = _mpi()
+        try:
+            return int(mpi.Group.Translate_ranks(self._c.Get_group(), [r],
+                                                 mpi.COMM_WORLD.Get_group())[0])
+        except Exception:  # noqa: BLE001 - a description must never fail
+            return r
+
+    def _p2p(self, verb: str, t: torch.Tensor, way: str, peer: int, tag: int) -> str:
+        return (f"{verb} of {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} {way} "
+                f"rank {self._world_rank(peer)} (tag {tag})")
+
+    def _coll(self, what: str, t: torch.Tensor | None = None) -> str:
+        ranks = [self._world_rank(r) for r in range(self.size)]
+        shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+        of = f" of {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if t is not None \
+            else ""
+        return f"{what}{of} over ranks [{shown}]"
 
     # -- sub-communicators ------------------------------------------------------------------
     def split(self, color: int, key: int | None = None) -> Comm:
         """Ranks with the same ``color`` form a new communicator (collective on all ranks)."""
-        return self._sub(self._c.Split(color, self.rank if key is None else key))
+        with watching(lambda: self._coll("communicator split")):
+            return self._sub(self._c.Split(color, self.rank if key is None else key))
 
     def group(self, ranks: Sequence[int], tag: int = 0) -> Comm | None:
         """A communicator of ``ranks`` (in that order); collective over the ranks listed only.
@@ -375,7 +441,8 @@ class Comm:
         if self.rank not in ranks:
             return None
         grp = self._c.Get_group().Incl(list(ranks))
-        return self._sub(self._c.Create_group(grp, tag=tag))
+        with watching(lambda: f"creating a communicator of ranks {list(ranks)}"):
+            return self._sub(self._c.Create_group(grp, tag=tag))
 
     def node(self) -> Comm:
         """The ranks of this communicator that share this node's memory, in rank order
@@ -396,6 +463,7 @@ def world(backend: str | None = None) -> Comm:
 
     backend: "mpi" (mpi4py, the default) or "torch" (torch.distributed, see fxpar.comm_torch:
     NCCL collectives on GPUs); None reads ``FXPAR_COMM`` (default "mpi")."""
+    failfast.configure()
     backend = backend or os.environ.get("FXPAR_COMM") or "mpi"
     if backend == "mpi":
         return Comm()

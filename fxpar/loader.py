@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fxpar import failfast
 from fxpar.comm import Comm
 from fxpar.plan import Plan, PlanError, RankMap
 from fxpar.program import _LAUNCHER_VARS, OptimizerFactory, Program, RankProgram, SpatialInfo
@@ -96,6 +97,8 @@ def load(folder: str | os.PathLike[str], comm: Comm | None = None, *,
             if comm.size != n:
                 raise PlanError(f"{root} was compiled for {n} ranks but the job has "
                                 f"{comm.size}: run it with `mpiexec -n {n}`")
+            if n > 1:  # the job's first communication: is it one program on every rank?
+                failfast.agree(comm, {"saved program": failfast.digest(info)})
             rank = comm.rank
     if loss_fn is None:
         if info["loss_fn"] is None:

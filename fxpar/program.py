@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fxpar import failfast
 from fxpar.comm import Comm
 from fxpar.materialize import InitFn, materialize_rank
 from fxpar.plan import Plan, PlanError, RankMap
@@ -60,8 +61,7 @@ class SpatialInfo:
         return {(s, t): self.tile(s, t) for s in range(self.spatial_stages)
                 for t in range(self.grid.size)}
 
-# Environment variables an MPI launcher sets in every rank (MPICH/Hydra, Open MPI, Slurm).
-_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+_LAUNCHER_VARS = failfast.LAUNCHER_VARS
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,30 @@ class Program:
             raise PlanError(
                 f"this plan needs {self.world_size} ranks but the job has {comm.size}: "
                 f"run with `mpiexec -n {self.world_size}` (or change the plan)")
+        if comm.size > 1:  # the job's first communication: do all ranks hold the same program?
+            failfast.agree(comm, self.fingerprint())
         return self.for_rank(comm.rank, comm)
+
+    def fingerprint(self) -> dict[str, str]:
+        """A hash of what every rank must hold alike: the plan, batch size, state_dict names,
+        every rank's actions, the transfers between stages, torch's version, and (for a model
+        each rank built itself, not on the meta device) a checksum of its initial weights and
+        buffers -- ranks that built the model under different seeds would train different
+        models without any error."""
+        weights: list[float] = []
+        modules = [] if self.meta_model is not None else \
+            [m for m in self.graph.modules if m is not None]
+        with torch.no_grad():
+            for m in modules:
+                for t in (*m.parameters(), *m.buffers()):
+                    if t.is_floating_point() and t.device.type != "meta":
+                        weights.append(float(t.detach().double().sum()))
+        return {"plan": failfast.digest(self.plan.to_json(), self.batch_size),
+                "model (state_dict names)": failfast.digest(self.names),
+                "schedule": failfast.digest(sorted(self.schedule.items())),
+                "stage transfers": failfast.digest(self.graph.transfers),
+                "torch version": torch.__version__,
+                "initial weights": failfast.digest(weights)}
 
 
 class RankProgram:

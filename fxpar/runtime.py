@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from fxpar import failfast
 from fxpar.comm import Comm, Request
 from fxpar.schedule import Action, Schedule, format_grid
 from fxpar.spatial.geometry import Grid, Rect
@@ -144,6 +145,7 @@ class Runtime:
         for i, action in enumerate(todo):
             if i in early:
                 continue
+            failfast.doing(action)
             try:
                 if action.kind in ("F", "B"):
                     early.update(self._post_early(todo, i, state, handlers))

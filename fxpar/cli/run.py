@@ -20,7 +20,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 import torch
 
+from fxpar import failfast
 from fxpar.checkpoint import CheckpointError
 from fxpar.comm import Comm
 from fxpar.compiler import compile as fx_compile
@@ -102,6 +102,10 @@ def parser() -> argparse.ArgumentParser:
                    help="save a sharded checkpoint to DIR at the end (fxpar.checkpoint)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help="with --checkpoint: also every K steps")
+    p.add_argument("--watchdog", type=float, default=None, metavar="SECONDS",
+                   help="end the whole job when a rank waits longer than this in one "
+                        "communication call (a peer stuck or dead); default FXPAR_WATCHDOG "
+                        "or off")
     p.add_argument("--resume", type=Path, default=None, metavar="DIR",
                    help="continue from the checkpoint in DIR (same plan and ranks)")
     g = p.add_argument_group("plan (MPI4DL's names in brackets)")
@@ -243,6 +247,8 @@ def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:
 def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
     """Check everything (plan, model, data), then build this rank's program. Raises one of
     USER_ERRORS before any communication."""
+    if a.watchdog is not None:
+        failfast.set_watchdog(a.watchdog)
     if a.log_every is not None and a.log_every < 1:
         raise ValueError("--log-every must be >= 1")
     if a.checkpoint_every is not None and (a.checkpoint is None or a.checkpoint_every < 1):
@@ -342,8 +348,7 @@ def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
               f"run them with `mpiexec -n {done.world_size} fxpar-run {done.folder}`")
         return 0
     except USER_ERRORS as e:
-        print(f"fxpar-run: error: {e}", file=sys.stderr)
-        return 2
+        return _user_error(e, comm)
     rp = job.rp
     if rp.rank == 0:
         print(f"fxpar-run: {a.model} {'x'.join(map(str, job.shape))} {a.dtype} on "
@@ -356,12 +361,36 @@ def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
         rec = train(rp, lambda step: job.source.batch(step, job.window), a, start,
                     lambda n: _checkpoint(rp, a, n))
         finish(job, rec, a)
-    except Exception:
+    except Exception as e:
         if rp.comm is None or rp.comm.size == 1:
             raise
-        traceback.print_exc()  # one rank failing must end them all, never leave them waiting
-        rp.comm.abort(1)
+        failfast.fail(e)  # one rank failing must end them all, never leave them waiting
     return 0
+
+
+def _user_error(e: Exception, comm: Comm | None) -> int:
+    """Report a user error once and return 2 on every rank alike. In a multi-rank job a rank
+    that failed before the start-up check (fxpar.failfast.agree, the first communication) still
+    takes part in it with its error, so the other ranks stop there too instead of waiting;
+    after the check, the rank ends the whole job."""
+    world = comm
+    if world is None and failfast.launched():
+        from fxpar.comm import world as mpi_world
+
+        world = mpi_world()
+    if world is None or world.size == 1:
+        print(f"fxpar-run: error: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(e, failfast.Disagreement):
+        if failfast.agreed():
+            failfast.fail(e)
+        try:
+            failfast.agree(world, None, str(e))
+        except failfast.Disagreement as d:
+            e = d
+    if world.rank == 0:
+        print(f"fxpar-run: error: {e}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,159 @@
+"""Plain user scripts for fault injection and determinism: ``mpiexec -n N python jobs.py NAME
+OUT``. Unlike the case harness (fxpar.testing), nothing here catches exceptions: each job is a
+user's training script, and tests/test_faults.py asserts what the whole job does when one rank
+fails (ends, in bounded time, printing that rank's error once) and that two runs of the same
+seed and plan are bit-identical."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpar
+from fxpar.comm import world
+
+SHAPE = (8, 3, 16, 16)
+PLANS = {
+    "pp": fxpar.Plan(stages=2, microbatches=2),  # 2 ranks
+    "sp": fxpar.Plan(spatial_parts=2, slice="vertical"),  # 2 ranks
+    "hybrid": fxpar.Plan(stages=2, spatial_parts=2, microbatches=2, schedule="1f1b"),  # 3 ranks
+}
+
+
+def build(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 4)).double()
+
+
+def classifier(num_classes: int = 4) -> nn.Module:
+    """The same model for ``fxpar-run tests/cases/jobs.py:classifier`` (float32 there)."""
+    assert num_classes == 4
+    return build(0).float()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(SHAPE, dtype=torch.float64, generator=g),
+            torch.randint(0, 4, (SHAPE[0],), generator=g))
+
+
+def compiled(plan: str, seed: int = 0, loss_fn=F.cross_entropy) -> fxpar.RankProgram:
+    program = fxpar.compile(build(seed), PLANS[plan], SHAPE, loss_fn=loss_fn,
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    return program.local()
+
+
+def train(rp: fxpar.RankProgram, steps: int = 3, before=None) -> list[float]:
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        if before is not None:
+            before(rp, step)
+        losses.append(float(rp.train_step(x, y)))
+    return losses
+
+
+def on(rank: int, step: int, act):
+    """A hook for ``train(before=)``: run ``act()`` on ``rank`` before step ``step``."""
+    def before(rp: fxpar.RankProgram, s: int) -> None:
+        if rp.rank == rank and s == step:
+            act()
+    return before
+
+
+def inside_relu(rank: int, act) -> None:
+    """From now on, run ``act()`` inside every ReLU forward on ``rank`` (a stage's compute)."""
+    if world().rank != rank:
+        return
+    relu = nn.ReLU.forward
+
+    def forward(self: nn.ReLU, x: torch.Tensor) -> torch.Tensor:
+        act()
+        return relu(self, x)
+    nn.ReLU.forward = forward  # type: ignore[method-assign]
+
+
+# -- faults ------------------------------------------------------------------------------------
+def job_loss_raises(out: Path) -> None:
+    """User loss code raises on the last stage (rank 1) in the second step."""
+    calls = []
+
+    def loss(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:  # step 2, micro-batch 1
+            raise ValueError("injected failure in the user's loss")
+        return F.cross_entropy(o, y)
+    train(compiled("pp", loss_fn=loss))
+
+
+def job_data_loader_raises(out: Path) -> None:
+    """The data loader of rank 0 raises before step 2 while rank 1 is already exchanging."""
+    def fail() -> None:
+        raise OSError("injected failure in the data loader: cannot read image 17")
+    train(compiled("sp"), before=on(0, 1, fail))
+
+
+def job_out_of_memory_in_forward(out: Path) -> None:
+    """A stage's forward on rank 2 runs out of memory (a real allocator failure)."""
+    rp = compiled("hybrid")
+    train(rp, steps=1)
+    inside_relu(2, lambda: torch.empty(1 << 60, dtype=torch.uint8))
+    train(rp, steps=1)
+
+
+def job_rank_killed(out: Path) -> None:
+    """Rank 1 is killed (SIGKILL, as the OOM killer does) in the middle of a step."""
+    rp = compiled("pp")
+    train(rp, steps=1)
+    inside_relu(1, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    train(rp, steps=1)
+
+
+def job_rank_stuck(out: Path) -> None:
+    """Rank 1 hangs in user code; the others' watchdog (FXPAR_WATCHDOG) ends the job."""
+    train(compiled("sp"), before=on(1, 1, lambda: time.sleep(3600)))
+
+
+def job_ranks_seeded_differently(out: Path) -> None:
+    """Rank 1 builds the model under another seed: the start-up check stops every rank."""
+    train(compiled("pp", seed=world().rank))
+
+
+# -- determinism -------------------------------------------------------------------------------
+def _digest(rp: fxpar.RankProgram, losses: list[float]) -> tuple[str, int]:
+    h = hashlib.sha256(json.dumps(losses).encode())
+    tensors = [t for _, t in sorted(rp.state_dict().items())]
+    tensors += [p.grad for _, p in rp.named_parameters() if p.grad is not None]
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest(), len(tensors)
+
+
+def job_determinism(out: Path) -> None:
+    """Train the hybrid plan twice in this process (fresh compile each time); write each
+    rank's digest of losses, parameters, buffers and gradients for the test to compare with
+    another launch."""
+    runs = []
+    for _ in range(2):
+        rp = compiled("hybrid", seed=0)
+        losses = train(rp, steps=3)
+        runs.append(_digest(rp, losses))
+    assert runs[0] == runs[1], f"rank {rp.rank}: two runs in one process differ: {runs}"
+    (out / f"rank{rp.rank}.json").write_text(json.dumps(
+        {"digest": runs[0][0], "tensors": runs[0][1], "losses": losses}))
+
+
+if __name__ == "__main__":
+    globals()[f"job_{sys.argv[1]}"](Path(sys.argv[2]))

@@ -1,0 +1,173 @@
+"""Fail-fast and determinism under a real mpiexec (issue 8).
+
+Each job is a plain user script (tests/cases/jobs.py) or fxpar-run, launched on its own: a
+fault must end the WHOLE job, by itself (well before the harness's timeout), printing the
+failing rank's error once. The launches run a few at a time (most of a fault job is ranks
+importing torch and waiting on each other), so together they cost about one launch's time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from fxpar.testing import mpiexec
+
+JOBS = Path(__file__).parent / "cases" / "jobs.py"
+TIMEOUT = 150.0
+"""Seconds before the harness kills a launch; a job that ends by itself takes far less."""
+BOUND = 60.0
+"""A failing job must have ended within this many seconds of its launch (imports included,
+several launches sharing 2 cores)."""
+CLI = (f"{JOBS}:classifier --image-size 16 --batch-size 8 --steps 2 --stages 2 --parts 2 "
+       f"--num-classes 4")
+
+pytestmark = pytest.mark.mpi
+
+
+@dataclass(frozen=True)
+class Ran:
+    rc: int | None
+    """mpiexec's exit code; None when the harness had to kill the launch (a hang)."""
+    out: str
+    seconds: float
+
+
+def _launch(args: list[str], env: dict[str, str]) -> Ran:
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(JOBS.parent.parent.parent), **env}
+    start = time.monotonic()
+    proc = subprocess.Popen([mpiexec(), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=full,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+        return Ran(proc.returncode, out, time.monotonic() - start)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        return Ran(None, out, time.monotonic() - start)
+
+
+def _job(n: int, name: str, out: Path | None = None) -> list[str]:
+    return ["-n", str(n), sys.executable, str(JOBS), name, str(out or "/nonexistent")]
+
+
+def _cli(extra0: str = "", extra1: str = "") -> list[str]:
+    run = [str(Path(sys.executable).parent / "fxpar-run")]
+    return ["-n", "1", *run, *CLI.split(), *extra0.split(), ":",
+            "-n", "1", *run, *CLI.split(), *extra1.split()]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory) -> dict[str, Ran]:
+    det = [tmp_path_factory.mktemp(f"det{i}") for i in range(2)]
+    launches = {
+        "loss_raises": (_job(2, "loss_raises"), {}),
+        "data_loader_raises": (_job(2, "data_loader_raises"), {}),
+        "out_of_memory_in_forward": (_job(3, "out_of_memory_in_forward"), {}),
+        "rank_killed": (_job(2, "rank_killed"), {}),
+        "rank_stuck": (_job(2, "rank_stuck"), {"FXPAR_WATCHDOG": "3"}),
+        "ranks_seeded_differently": (_job(2, "ranks_seeded_differently"), {}),
+        "cli_data_on_one_rank": (_cli("", "--data /nonexistent"), {}),
+        "cli_plans_differ": (_cli("", "--parts 4"), {}),
+        "determinism0": (_job(3, "determinism", det[0]), {}),
+        "determinism1": (_job(3, "determinism", det[1]), {}),
+    }
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {k: pool.submit(_launch, *v) for k, v in launches.items()}
+        results = {k: f.result() for k, f in futures.items()}
+    for k, r in results.items():
+        print(f"{k}: exit {r.rc} after {r.seconds:.1f} s")
+    results["_det"] = Ran(0, json.dumps([
+        {p.name: json.loads(p.read_text()) for p in sorted(d.iterdir())} for d in det]), 0.0)
+    return results
+
+
+def _failed_alone(r: Ran, rank: int, size: int) -> None:
+    """The job ended by itself, non-zero, soon, with exactly one rank's failure banner."""
+    assert r.rc is not None, f"the job hung (killed after {TIMEOUT:.0f} s):\n{r.out[-3000:]}"
+    assert r.rc != 0 and r.seconds < BOUND, (r.rc, r.seconds, r.out[-3000:])
+    assert r.out.count("failed; ending the whole job") == 1, r.out[-3000:]
+    assert f"fxpar: rank {rank} of {size} failed; ending the whole job" in r.out, r.out[-3000:]
+
+
+def test_user_loss_raising_on_the_last_stage_ends_the_job_with_the_grid(ran):
+    r = ran["loss_raises"]
+    _failed_alone(r, rank=1, size=2)
+    assert r.out.count("fxpar.runtime.ActionFailed: rank 1, step 1, action 1F0: ValueError: "
+                       "injected failure in the user's loss") == 1, r.out[-3000:]
+    assert "[fxpar rank 1] action 1F0 failed" in r.out
+    assert "1F0 <-- ERROR HERE" in r.out  # the failing cell of the step x rank grid
+
+
+def test_data_loader_failing_on_one_rank_ends_the_job(ran):
+    r = ran["data_loader_raises"]
+    _failed_alone(r, rank=0, size=2)
+    assert r.out.count("OSError: injected failure in the data loader: cannot read image 17") \
+        == 1, r.out[-3000:]
+
+
+def test_out_of_memory_in_a_stage_forward_ends_the_job(ran):
+    r = ran["out_of_memory_in_forward"]
+    _failed_alone(r, rank=2, size=3)
+    assert r.out.count("fxpar.runtime.ActionFailed: rank 2, step 1, action 1F0: RuntimeError: "
+                       "[enforce fail") == 1, r.out[-3000:]
+    assert "DefaultCPUAllocator: can't allocate memory" in r.out
+
+
+def test_killed_rank_ends_the_job(ran):
+    r = ran["rank_killed"]
+    assert r.rc is not None, f"the job hung:\n{r.out[-3000:]}"
+    assert r.rc != 0 and r.seconds < BOUND, (r.rc, r.seconds, r.out[-3000:])
+    assert "signal 9" in r.out or "KILLED BY SIGNAL: 9" in r.out, r.out[-3000:]
+
+
+def test_stuck_rank_is_ended_by_the_watchdog(ran):
+    r = ran["rank_stuck"]
+    assert r.rc is not None, f"the job hung:\n{r.out[-3000:]}"
+    assert r.rc != 0 and r.seconds < BOUND, (r.rc, r.seconds, r.out[-3000:])
+    assert r.out.count("fxpar watchdog: rank 0 waited") == 1, r.out[-3000:]
+    assert "over ranks [0, 1] (while running action 0F0)" in r.out, r.out[-3000:]
+
+
+def test_ranks_that_built_different_weights_stop_at_start_up(ran):
+    r = ran["ranks_seeded_differently"]
+    assert r.rc is not None and r.rc != 0 and r.seconds < BOUND, (r.rc, r.out[-3000:])
+    assert r.out.count("the ranks compiled different programs (initial weights differ: "
+                       "rank 0 vs rank 1)") == 1, r.out[-3000:]
+
+
+def test_fxpar_run_setup_error_on_one_rank_stops_every_rank_with_one_message(ran):
+    r = ran["cli_data_on_one_rank"]
+    assert r.rc == 2 and r.seconds < BOUND, (r.rc, r.out[-3000:])
+    assert r.out.count("fxpar-run: error:") == 1, r.out
+    assert "fxpar-run: error: on rank 1: --data /nonexistent: no such folder" in r.out, r.out
+    assert "step " not in r.out  # nobody trained
+
+
+def test_fxpar_run_ranks_with_different_plans_stop_at_start_up(ran):
+    r = ran["cli_plans_differ"]
+    assert r.rc == 2 and r.seconds < BOUND, (r.rc, r.out[-3000:])
+    assert r.out.count("fxpar-run: error:") == 1, r.out
+    assert ("compiled different programs (plan, schedule, stage transfers differ: "
+            "rank 0 vs rank 1)") in r.out
+
+
+def test_same_seed_and_plan_are_bit_identical_across_runs(ran):
+    for k in ("determinism0", "determinism1"):
+        assert ran[k].rc == 0, ran[k].out[-3000:]
+    first, second = json.loads(ran["_det"].out)
+    assert sorted(first) == ["rank0.json", "rank1.json", "rank2.json"]
+    for name, got in first.items():
+        assert got["tensors"] >= 11  # parameters, BN buffers and gradients of its stages
+        assert len(set(got["losses"])) == 3  # it trained: each step's loss differs
+        assert second[name] == got, name  # digest of every tensor's bytes, and the losses
