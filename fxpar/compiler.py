@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -20,7 +21,7 @@ from fxpar.simulate import interleave
 from fxpar.spatial.geometry import Grid
 from fxpar.spatial.ops import group_key
 from fxpar.stages import StageGraph, build_stages
-from fxpar.trace import trace
+from fxpar.trace import check_model, trace
 from passes.halo import tile_stage
 from passes.mirror import chunks_per_copy, stage_groups
 from passes.spatial_region import SpatialLayout, limit_region, spatial_region
@@ -44,6 +45,25 @@ def tile_stages(gm: fx.GraphModule, graph: StageGraph, plan: Plan) -> SpatialInf
     out_tiled = lay is not None and lay.tiled
     shape = meta.get(out, TensorInfo).shape if out_tiled else (0, 0, 0, 0)
     return SpatialInfo(build, grid, plan.spatial_stages, out_tiled, (shape[2], shape[3]))
+
+
+def example_shape(example: torch.Tensor | Sequence[int] | None) -> tuple[int, ...]:
+    """The shape of ``compile``'s example input, checked: batch first, every size >= 1."""
+    if example is None:
+        raise TypeError("fxpar.compile needs example_input: a batch or its shape, e.g. "
+                        "(8, 3, 1024, 1024); a meta tensor avoids allocating it")
+    try:
+        if isinstance(example, str):
+            raise TypeError(example)
+        dims = example.shape if isinstance(example, torch.Tensor) else example
+        shape = tuple(operator.index(s) for s in dims)
+    except TypeError:
+        raise TypeError(f"example_input must be a tensor or a shape of integers such as "
+                        f"(8, 3, 1024, 1024), got {example!r}") from None
+    if not shape or min(shape) < 1:
+        raise ValueError(f"example_input has shape {shape}: give the global batch's shape, "
+                         f"batch first, every size >= 1 (e.g. (8, 3, 1024, 1024))")
+    return shape
 
 
 def links_of(graph: StageGraph) -> Links:
@@ -84,13 +104,13 @@ def compile(  # noqa: A001 - the public name the design fixes
 
     The program's modules share parameters with ``model``: training the program trains it.
     """
+    check_model(model)
     plan = plan if plan is not None else Plan()
-    if example_input is None:
-        raise TypeError("fxpar.compile needs example_input: a batch or its shape, e.g. "
-                        "(8, 3, 1024, 1024); a meta tensor avoids allocating it")
-    shape = tuple(example_input.shape if isinstance(example_input, torch.Tensor)
-                  else example_input)
-    plan.check_batch(int(shape[0]))
+    if not isinstance(plan, Plan):
+        raise TypeError(f"fxpar.compile needs plan=fxpar.Plan(...), got "
+                        f"{type(plan).__name__}: build one with fxpar.Plan(**fields)")
+    shape = example_shape(example_input)
+    plan.check_batch(shape[0])
     mb_shape = (shape[0] // plan.chunks(), *shape[1:])
     if isinstance(example_input, torch.Tensor):
         example = torch.empty(mb_shape, dtype=example_input.dtype, device="meta")

@@ -154,20 +154,21 @@ def install(abort: Callable[[int], None] | None = None, force: bool = False) -> 
 
 
 # -- start-up agreement ------------------------------------------------------------------------
-_agreed = False
+_agreements = 0
 
 
-def agreed() -> bool:
-    """Whether this process took part in :func:`agree` (after it, a failing rank must end the
-    job: its peers may already be in their first training communication)."""
-    return _agreed
+def agreements() -> int:
+    """How many times this process took part in :func:`agree`. A caller that compares it with
+    an earlier count knows whether its rank passed the start-up check since: after it, a failing
+    rank must end the job (its peers may already be in their first training communication)."""
+    return _agreements
 
 
 def agree(comm: Any, fingerprint: dict[str, str] | None, error: str | None = None) -> None:
     """Collective, the first of a rank program: raise :class:`Disagreement` on every rank when
     any rank reports an ``error`` or the ranks' fingerprints differ."""
-    global _agreed
-    _agreed = True
+    global _agreements
+    _agreements += 1
     everyone: list[tuple[dict[str, str] | None, str | None]] = \
         comm.allgather_object((fingerprint, error))
     failed = [r for r, (_, e) in enumerate(everyone) if e]

@@ -53,7 +53,9 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[tuple[str, Pass]
             raise
         except Exception as e:
             raise PassError(f"pass {name!r} failed (after {done or 'no passes'}): "
-                            f"{type(e).__name__}: {e}") from e
+                            f"{type(e).__name__}: {e}\nThis is a bug in fxpar, not in your "
+                            f"model: please report it with this message, the model and the "
+                            f"plan.") from e
         done.append(name)
         if after is not None:
             after(name, gm)

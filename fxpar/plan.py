@@ -71,6 +71,10 @@ class Plan:
     def __post_init__(self) -> None:
         if self.balance is not None:
             # Accept any sequence from users (lists from JSON/CLI); store an immutable tuple.
+            if isinstance(self.balance, (str, bytes)) or not hasattr(self.balance, "__iter__"):
+                raise PlanError(f"Plan.balance must be a sequence of node counts, one per "
+                                f"stage (e.g. balance=(40, 29) for stages=2), got "
+                                f"{self.balance!r}")
             object.__setattr__(self, "balance", tuple(self.balance))
         for problem in self.problems():
             raise PlanError(problem)
@@ -154,6 +158,9 @@ class Plan:
     def check_batch(self, batch_size: int) -> None:
         """Raise PlanError unless ``batch_size`` splits into this plan's equal chunks."""
         n = self.chunks()
+        if batch_size < 1:
+            raise PlanError(f"batch size {batch_size}: a batch needs at least one sample "
+                            f"(at least {n} for this plan)")
         if batch_size % n:
             parts = [f"data_parallel={self.data_parallel}"]
             if self.gems:

@@ -365,6 +365,11 @@ class RankProgram:
             raise PlanError(f"this program was compiled for a global batch of "
                             f"{self.program.batch_size}, got {batch}: compile with an example "
                             f"of the batch size you train with")
+        if self.comm is None and self.program.world_size > 1:
+            raise PlanError(
+                f"rank {self.rank}'s program has no communicator: a {self.program.world_size}"
+                f"-rank program trains under `mpiexec -n {self.program.world_size}` with "
+                f"program.local() (program.for_rank(r) without comm= is for inspection)")
         return self.plan.chunks()
 
     def forward(self, x: torch.Tensor) -> Any:

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.fx.passes.shape_prop import ShapeProp
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpar import meta
@@ -66,6 +67,7 @@ def symbolic_trace(model: nn.Module,
                    leaf_modules: Sequence[type[nn.Module]] = ()) -> fx.GraphModule:
     """Trace ``model`` into a GraphModule whose submodules and parameters are the model's own
     (shared, not copied) and whose qualified names match the model's."""
+    check_model(model)
     tracer = _Tracer(leaf_modules)
     try:
         graph = tracer.trace(model)
@@ -74,6 +76,20 @@ def symbolic_trace(model: nn.Module,
     except Exception as e:  # noqa: BLE001
         raise TraceError(_untraceable(f"{type(model).__name__}.forward", type(model), e)) from e
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def check_model(model: nn.Module) -> None:
+    """Raise unless ``model`` is an nn.Module whose parameters all have shapes (lazy modules,
+    nn.LazyLinear and the like, get theirs only in their first forward)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxpar needs the model as a torch.nn.Module, got "
+                        f"{type(model).__name__}: wrap the function in an nn.Module's forward")
+    for name, m in model.named_modules():
+        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+            raise TraceError(
+                f"module {name or 'the model'!r} ({type(m).__name__}) has uninitialized lazy "
+                f"parameters: run the model once on a small batch (model(x)) before "
+                f"fxpar.compile, or give it explicit sizes (e.g. nn.Linear(in_features, ...))")
 
 
 def fake_like(example: torch.Tensor | Sequence[int], mode: FakeTensorMode,
@@ -158,8 +174,10 @@ def analyze(gm: fx.GraphModule, *example_inputs: torch.Tensor | Sequence[int]) -
     device = first.device if first is not None else torch.device("cpu")
     fakes = [fake_like(x, mode, dtype, device) for x in example_inputs]
     # ShapeProp prints a traceback before raising; the TraceError above says it better.
+    analyzer = _Analyzer(gm, fake_mode=mode)
+    analyzer.extra_traceback = False  # fx would append "While executing ..." to our message
     with contextlib.redirect_stderr(io.StringIO()):
-        _Analyzer(gm, fake_mode=mode).propagate(*fakes)
+        analyzer.propagate(*fakes)
     return gm
 
 

@@ -2,16 +2,19 @@
 
 The region grows forward from the model's 4-D inputs through ops fxpar knows how to run on tiles
 (fxpar.spatial.opclass). It ends before the first op that is not one of them (flatten, view,
-linear, an unknown function: it is named in the node's ``SpatialLayout.reason``), and before an
-op whose output would leave some rank an empty tile. Global means (adaptive average pooling to
-1x1) stay in the region and produce a *replicated* value. Every node gets a
-:class:`SpatialLayout`: tiled, or replicated (the same whole value on every rank of the group).
+linear, an unknown function: it is named in the node's ``SpatialLayout.reason``), before an
+op whose output would leave some rank an empty tile, and before a pointwise op with an operand
+that is not tiled but varies along a split dim (a learned H x 1 bias map with H split). Global
+means (adaptive average pooling to 1x1) stay in the region and produce a *replicated* value.
+Every node gets a :class:`SpatialLayout`: tiled, or replicated (the same whole value on every
+rank of the group).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import fx
 
@@ -19,7 +22,7 @@ from fxpar import meta
 from fxpar.meta import TensorInfo
 from fxpar.plan import Plan, PlanError
 from fxpar.spatial.geometry import Grid
-from fxpar.spatial.opclass import Mean, Pointwise, classify
+from fxpar.spatial.opclass import Mean, Pointwise, classify, why_not
 
 
 @dataclass(frozen=True)
@@ -83,23 +86,88 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                       f"{grid.cols} tile grid")
         elif isinstance(op, Pointwise) and any(_extent(a) not in (ext, None) for a in ins):
             reason = "its tiled inputs have different image sizes"
+        elif isinstance(op, Pointwise):
+            reason = _whole_operand(n, tiled, grid, ext)
         if reason:
             meta.put(n, SpatialLayout(False, f"region ends at {n.name!r}: {reason}"))
             continue
         tiled.add(n)
         meta.put(n, SpatialLayout(True))
     if not any(n.op != "placeholder" for n in tiled):
-        first = next((n for n in gm.graph.nodes if meta.get(n, SpatialLayout).reason), None)
-        why = meta.get(first, SpatialLayout).reason if first is not None else "no 4-D input"
-        raise PlanError(f"nothing in this model can run on {grid.rows}x{grid.cols} tiles "
-                        f"({why}){_what_fits(gm, plan, grid, first)}")
+        raise PlanError(_nothing_tiled(gm, plan, grid))
     return gm
+
+
+def _operands(args: Any, direct: bool) -> Iterator[tuple[bool, fx.Node]]:
+    """(is a positional argument of its own, node) for every node among ``args``."""
+    for a in args:
+        if isinstance(a, fx.Node):
+            yield direct, a
+        elif isinstance(a, (list, tuple)):
+            yield from _operands(a, False)
+        elif isinstance(a, dict):
+            yield from _operands(a.values(), False)
+
+
+def _whole_operand(n: fx.Node, tiled: set[fx.Node], grid: Grid, ext: tuple[int, int]) -> str:
+    """Why pointwise ``n`` cannot run on tiles because of an operand that is not tiled but
+    varies along a split dim ('' if none). The tile rewrite slices a whole operand only when it
+    is a positional argument with the output's 4-D extent; anything else is used as it is, so
+    it must broadcast along the split dims (size 1 there)."""
+    for direct, a in [*_operands(n.args, True), *_operands(n.kwargs.values(), False)]:
+        info = meta.find(a, TensorInfo)
+        if a in tiled or info is None or len(info.shapes) != 1:
+            continue
+        shape = info.shape
+        if direct and len(shape) == 4 and (shape[2], shape[3]) == ext:
+            continue
+        h = shape[-2] if len(shape) >= 2 else 1
+        w = shape[-1] if len(shape) >= 1 else 1
+        if (h > 1 and grid.rows > 1) or (w > 1 and grid.cols > 1):
+            return (f"its operand {a.name!r} of shape {tuple(shape)} is not tiled and varies "
+                    f"along a split dim (only same-size or size-1 H/W operands are)")
+    return ""
+
+
+def _nothing_tiled(gm: fx.GraphModule, plan: Plan, grid: Grid) -> str:
+    """The message when no op can run on tiles, with the fix that applies."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not any(_extent(n) is not None for n in inputs):
+        shapes = [meta.get(n, TensorInfo).shapes for n in inputs if meta.find(n, TensorInfo)]
+        got = ", ".join("x".join(map(str, s)) + f" ({len(s)}-D)" for ss in shapes for s in ss)
+        return (f"spatial_parts={plan.spatial_parts} splits the H and W of a 4-D (N, C, H, W) "
+                f"image, but this model's input is {got or 'not a tensor'}: set "
+                f"spatial_parts=1 (stages, microbatches, gems and data_parallel work on any "
+                f"input)")
+    first = _first_end(gm)
+    why = _explained(gm, first) if first is not None else "no 4-D input"
+    head = f"nothing in this model can run on {grid.rows}x{grid.cols} tiles ({why})"
+    ext = _extent(first) if first is not None else None
+    if first is not None and first.op != "placeholder" and (ext is None or grid.fits(ext)):
+        return (f"{head}: the first op on the image must run on tiles; change that op or set "
+                f"spatial_parts=1")
+    return head + _what_fits(gm, plan, grid, first)
 
 
 def _describe(gm: fx.GraphModule, n: fx.Node) -> str:
     if n.op == "call_module":
         return f"{type(gm.get_submodule(str(n.target))).__name__} {n.target!r}"
     return f"{getattr(n.target, '__name__', n.target)!s} ({n.op})"
+
+
+def _first_end(gm: fx.GraphModule) -> fx.Node | None:
+    """The first node where the region ends (graph order), if any."""
+    return next((n for n in gm.graph.nodes
+                 if (lay := meta.find(n, SpatialLayout)) is not None and lay.reason), None)
+
+
+def _explained(gm: fx.GraphModule, n: fx.Node) -> str:
+    """``n``'s reason for ending the region and, for an op fxpar does not tile, why not and
+    what would let it (for error messages; fxpar-inspect shows the short reason)."""
+    reason = meta.get(n, SpatialLayout).reason
+    if n.op in ("call_module", "call_function", "call_method") and classify(gm, n) is None:
+        return f"{reason}: {why_not(gm, n)}"
+    return reason
 
 
 def region_ends(gm: fx.GraphModule) -> list[str]:
@@ -129,10 +197,10 @@ def limit_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             used.add(stage_of.get(n, 0))
     missing = sorted(set(range(plan.spatial_stages)) - used)
     if missing:
-        ends = region_ends(gm)
+        first = _first_end(gm)
         raise PlanError(
             f"spatial stage(s) {missing} would have no tiled work: the spatial region ends "
-            f"earlier ({ends[0] if ends else 'at the end of the model'}). Use "
+            f"earlier ({_explained(gm, first) if first else 'at the end of the model'}). Use "
             f"spatial_stages={min(missing)} or cut the stages differently (Plan.balance)")
     return gm
 

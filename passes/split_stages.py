@@ -158,8 +158,8 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if sum(plan.balance) != len(order):
             raise PlanError(
                 f"Plan.balance={plan.balance} sums to {sum(plan.balance)} but the model has "
-                f"{len(order)} compute nodes (see `fxpar-inspect --stages`): make it sum to "
-                f"{len(order)}")
+                f"{len(order)} compute nodes (the nodes `fxpar-inspect MODEL` lists, without "
+                f"placeholders, get_attr and output): make it sum to {len(order)}")
         cuts = [sum(plan.balance[:k]) for k in range(1, s)]
     else:
         costs = [node_cost(n) for n in order]

@@ -4,7 +4,9 @@ import across plans, per-rank materialisation under mpiexec -- are in tests/case
 checkpoint_cases.py and meta_cases.py, run by tests/test_programs.py.)"""
 
 import copy
+import errno
 import json
+import shutil
 import subprocess
 import sys
 import zlib
@@ -62,11 +64,30 @@ def saved(tmp_path):
     return tmp_path, rp, state(rp)
 
 
+def listing(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def latest(folder) -> dict:
+    return json.loads((folder / "latest").read_text())
+
+
+def assert_state(rp, want) -> None:
+    got = state(rp)
+    assert [k for k, _ in got] == [k for k, _ in want]
+    for (k, a), (_, b) in zip(got, want, strict=True):
+        assert torch.equal(a, b), k
+
+
 # -- save / load ---------------------------------------------------------------------------------
-def test_save_writes_one_shard_and_the_manifest_only(saved):
+def test_save_writes_a_version_folder_then_points_latest_at_it(saved):
     folder, rp, _ = saved
-    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.json", "rank00000.pt"]
+    assert listing(folder) == ["latest", "step-00000001"]
+    assert listing(folder / "step-00000001") == ["checkpoint.json", "rank00000.pt"]
+    assert latest(folder) == {"format": "fxpar-checkpoint-latest", "folder": "step-00000001",
+                              "step": 1, "versions": ["step-00000001"]}
     manifest = checkpoint.read_manifest(folder)
+    assert manifest == checkpoint.read_manifest(folder / "step-00000001")
     assert manifest["step"] == 1 and manifest["world_size"] == 1
     assert manifest["extra"] == {"epoch": 3}
     assert manifest["names"] == list(rp.program.names)
@@ -82,11 +103,97 @@ def test_load_restores_in_place_and_returns_the_step(saved):
     objects = [id(p) for p in rp.parameters()]
     assert checkpoint.load(rp, folder) == 1
     assert [id(p) for p in rp.parameters()] == objects
-    got = state(rp)
-    assert [k for k, _ in got] == [k for k, _ in want]
-    for (k, a), (_, b) in zip(got, want, strict=True):
-        assert torch.equal(a, b), k
-    assert any(k.endswith("num_batches_tracked") for k, _ in got)
+    assert_state(rp, want)
+    assert any(k.endswith("num_batches_tracked") for k, _ in want)
+
+
+def test_keep_prunes_older_versions_and_unfinished_saves(saved):
+    folder, rp, _ = saved
+    for step in (2, 3):
+        assert checkpoint.save(rp, folder, step=step) == folder / f"step-0000000{step}"
+    assert listing(folder) == ["latest", "step-00000002", "step-00000003"]
+    unfinished = folder / "step-00000009"  # what a crashed save leaves
+    unfinished.mkdir()
+    (unfinished / ".rank00000.pt.tmp77").write_bytes(b"PK\x03")
+    (folder / ".latest.tmp77").write_text("{")
+    checkpoint.save(rp, folder, step=4, keep=1)
+    assert listing(folder) == ["latest", "step-00000004"]
+    assert latest(folder)["versions"] == ["step-00000004"]
+    for step in (5, 6):
+        checkpoint.save(rp, folder, step=step, keep=None)
+    assert latest(folder)["versions"] == [f"step-0000000{s}" for s in (4, 5, 6)]
+    with pytest.raises(ValueError, match="keep=1.*keep=None"):
+        checkpoint.save(rp, folder, step=7, keep=0)
+
+
+def test_saving_a_step_again_never_writes_into_the_version_latest_names(saved):
+    folder, rp, first = saved
+    rp.train_step(*batch(2))
+    assert checkpoint.save(rp, folder, step=1) == folder / "step-00000001.1"
+    assert latest(folder)["versions"] == ["step-00000001", "step-00000001.1"]
+    second = state(rp)
+    checkpoint.save(rp, folder, step=0)  # lower than latest (after resuming an older one)
+    assert latest(folder)["folder"] == "step-00000000"  # latest: the version saved last
+    assert listing(folder) == ["latest", "step-00000000", "step-00000001.1"]
+    fresh, _ = one_rank(seed=5)
+    assert checkpoint.load(fresh, folder / "step-00000001.1") == 1
+    assert_state(fresh, second)
+    assert checkpoint.load(fresh, folder) == 0
+    assert not torch.equal(first[0][1], second[0][1])  # the second save held other values
+
+
+def test_a_failed_shard_write_raises_and_leaves_the_previous_version(saved, monkeypatch, capsys):
+    folder, rp, want = saved
+    rp.train_step(*batch(2))
+
+    def full_disk(obj, path):
+        with open(path, "wb") as f:
+            f.write(b"PK\x03\x04")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"(?s)step 2 not saved: rank 0 could not write "
+                       r".*step-00000002/rank00000.pt.*No space.*latest still names "
+                       r"step-00000001"):
+        checkpoint.save(rp, folder, step=2)
+    monkeypatch.undo()
+    assert listing(folder / "step-00000002") == []  # the partial file was removed
+    fresh, _ = one_rank(seed=5)
+    assert checkpoint.load(fresh, folder) == 1
+    assert_state(fresh, want)
+    assert checkpoint.main(["info", str(folder)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("step 1, 1 ranks") and "unfinished saves" in printed, printed
+
+
+def test_latest_naming_a_missing_or_unfinished_version_says_what_to_load(saved):
+    folder, rp, _ = saved
+    checkpoint.save(rp, folder, step=2)
+    (folder / "step-00000002" / "checkpoint.json").unlink()
+    with pytest.raises(CheckpointError, match=r"names step-00000002 \(step 2\), which has no "
+                       r"checkpoint.json \(incomplete\).*complete versions here: step-00000001 "
+                       r"\(load one by its folder, e.g. .*step-00000001\)"):
+        checkpoint.read_manifest(folder)
+    shutil.rmtree(folder / "step-00000002")
+    with pytest.raises(CheckpointError, match="which is missing"):
+        checkpoint.load(rp, folder)
+    (folder / "latest").unlink()
+    with pytest.raises(CheckpointError, match="not a \\(complete\\).*versions here: "
+                       "step-00000001"):
+        checkpoint.export(folder)
+    (folder / "latest").write_text("step-00000001")
+    with pytest.raises(CheckpointError, match="not an fxpar checkpoint pointer.*delete it"):
+        checkpoint.load(rp, folder)
+
+
+def test_a_folder_of_the_first_layout_still_loads(saved, tmp_path_factory):
+    folder, _, want = saved
+    old = tmp_path_factory.mktemp("first-layout")  # checkpoint.json next to the shards
+    for f in (folder / "step-00000001").iterdir():
+        shutil.copy(f, old / f.name)
+    fresh, _ = one_rank(seed=5)
+    assert checkpoint.load(fresh, old) == 1
+    assert_state(fresh, want)
 
 
 def test_load_restores_the_rng_state(tmp_path):
@@ -131,13 +238,14 @@ def test_load_of_another_model_is_refused(saved):
         checkpoint.load(rp, folder)
 
 
-def test_a_shard_of_another_step_means_an_unfinished_save(saved):
+def test_a_shard_of_another_step_is_refused(saved):
     folder, _, _ = saved
-    manifest = json.loads((folder / "checkpoint.json").read_text())
+    path = folder / "step-00000001" / "checkpoint.json"
+    manifest = json.loads(path.read_text())
     manifest["step"] = 2
-    (folder / "checkpoint.json").write_text(json.dumps(manifest))
+    path.write_text(json.dumps(manifest))
     rp, _ = one_rank()
-    with pytest.raises(CheckpointError, match="from step 1 but .* from step 2"):
+    with pytest.raises(CheckpointError, match="from step 1 but .* from step 2.*mixed"):
         checkpoint.load(rp, folder)
 
 
@@ -147,7 +255,7 @@ def test_missing_manifest_and_bad_extra_are_explained(tmp_path):
     rp, _ = one_rank()
     with pytest.raises(TypeError, match="JSON values"):
         checkpoint.save(rp, tmp_path, step=0, extra={"x": torch.zeros(1)})
-    assert not (tmp_path / "checkpoint.json").exists()
+    assert listing(tmp_path) == []
 
 
 def test_save_without_a_communicator_on_a_multi_rank_plan_is_refused(tmp_path):

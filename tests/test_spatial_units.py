@@ -109,6 +109,43 @@ def test_region_ends_at_an_op_that_cannot_be_tiled_and_says_which():
                                "run on tiles"]
 
 
+class _PositionBias(nn.Module):
+    """conv + a learned bias map of shape ``bias`` (broadcast against N x 4 x 8 x 8)."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bias = nn.Parameter(torch.zeros(bias))
+        self.head = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.head(self.conv(x) + self.bias)
+
+
+@pytest.mark.parametrize("bias, slice_, ends", [
+    ((1, 4, 8, 8), "horizontal", False),   # same extent: each tile slices its part
+    ((1, 4, 1, 8), "horizontal", False),   # size 1 along the split H: broadcasts on any tile
+    ((1, 4, 8, 1), "vertical", False),     # H is not split by vertical strips
+    ((1, 4, 8, 1), "horizontal", True),    # 8 rows against a 4-row tile: cannot run tiled
+    ((8,), "vertical", True),              # broadcasts along W, which is split
+])
+def test_region_ends_at_a_whole_operand_that_varies_along_a_split_dim(bias, slice_, ends):
+    gm = trace(_PositionBias(bias), (2, 3, 8, 8))
+    spatial_region(gm, fxpar.Plan(spatial_parts=2, slice=slice_))
+    want = [f"region ends at 'add': its operand 'bias' of shape {bias} is not tiled and varies "
+            f"along a split dim (only same-size or size-1 H/W operands are)"]
+    assert region_ends(gm) == (want if ends else [])
+
+
+def test_region_end_errors_say_why_the_op_is_not_tiled():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Upsample(size=(16, 16)),
+                          nn.Conv2d(4, 4, 3, padding=1), nn.Flatten())
+    with pytest.raises(fxpar.PlanError, match=r"region ends at '_1': Upsample '1' cannot run "
+                       r"on tiles: only Upsample\(scale_factor=<integer>"):
+        fxpar.compile(model, fxpar.Plan(stages=2, spatial_parts=2, spatial_stages=2),
+                      (2, 3, 8, 8))
+
+
 def test_region_ends_where_tiles_would_be_empty():
     gm = trace(torchvision.models.resnet18(), (2, 3, 64, 64))
     spatial_region(gm, fxpar.Plan(spatial_parts=4, slice="vertical"))

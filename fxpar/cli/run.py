@@ -129,7 +129,11 @@ def parser() -> argparse.ArgumentParser:
 def plan_from_args(a: argparse.Namespace) -> Plan:
     v = {dest: default if getattr(a, dest) is None else getattr(a, dest)
          for dest, _, default in PLAN_FLAGS}
-    balance = tuple(int(b) for b in v["balance"].split(",")) if v["balance"] else None
+    try:
+        balance = tuple(int(b) for b in v["balance"].split(",")) if v["balance"] else None
+    except ValueError:
+        raise PlanError(f"--balance {v['balance']}: give comma-separated node counts per "
+                        f"stage, e.g. --balance 40,29") from None
     return Plan(stages=v["stages"], balance=balance, microbatches=v["microbatches"],
                 schedule=v["schedule"], spatial_parts=v["spatial_parts"], slice=v["slice"],
                 spatial_stages=v["spatial_stages"], gems=v["gems"], gems_times=v["times"],
@@ -341,6 +345,7 @@ def _checkpoint(rp: RankProgram, a: argparse.Namespace, n: int) -> None:
 def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
     """The command line. comm: run on this communicator instead of every MPI rank (tests)."""
     a = parser().parse_args(argv)
+    checks = failfast.agreements()
     try:
         job = setup(a, comm)
     except SavedOnly as done:
@@ -348,7 +353,7 @@ def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
               f"run them with `mpiexec -n {done.world_size} fxpar-run {done.folder}`")
         return 0
     except USER_ERRORS as e:
-        return _user_error(e, comm)
+        return _user_error(e, comm, failfast.agreements() > checks)
     rp = job.rp
     if rp.rank == 0:
         print(f"fxpar-run: {a.model} {'x'.join(map(str, job.shape))} {a.dtype} on "
@@ -368,11 +373,11 @@ def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
     return 0
 
 
-def _user_error(e: Exception, comm: Comm | None) -> int:
+def _user_error(e: Exception, comm: Comm | None, checked: bool) -> int:
     """Report a user error once and return 2 on every rank alike. In a multi-rank job a rank
     that failed before the start-up check (fxpar.failfast.agree, the first communication) still
     takes part in it with its error, so the other ranks stop there too instead of waiting;
-    after the check, the rank ends the whole job."""
+    after the check (``checked``), the rank ends the whole job."""
     world = comm
     if world is None and failfast.launched():
         from fxpar.comm import world as mpi_world
@@ -382,7 +387,7 @@ def _user_error(e: Exception, comm: Comm | None) -> int:
         print(f"fxpar-run: error: {e}", file=sys.stderr)
         return 2
     if not isinstance(e, failfast.Disagreement):
-        if failfast.agreed():
+        if checked:
             failfast.fail(e)
         try:
             failfast.agree(world, None, str(e))

@@ -2,6 +2,7 @@
 
 :func:`classify` looks at one fx node and returns what the spatial passes need to know; an op
 it does not recognise returns None and ends the spatial region (it is never guessed at).
+:func:`why_not` says, for error messages, why such an op is refused and what would run on tiles.
 """
 
 from __future__ import annotations
@@ -131,6 +132,63 @@ def classify(gm: fx.GraphModule, n: fx.Node) -> Op | None:
     if f is torch.mean:
         return _mean(n, 1)
     return None
+
+
+def why_not(gm: fx.GraphModule, n: fx.Node) -> str:
+    """Why :func:`classify` refuses ``n`` and what would let it run on tiles (for messages)."""
+    if n.op == "call_module":
+        return _module_why_not(gm.get_submodule(str(n.target)))
+    f = n.target
+    name = f if isinstance(f, str) else getattr(f, "__name__", str(f))
+    if f is torch.cat or name == "cat":
+        return ("it concatenates along H or W (dim 2/3): tiles can only be concatenated along "
+                "the batch or channel dims")
+    if f is F.conv2d:
+        return "padding given as a string: give the padding as numbers (e.g. padding=1 for 3x3)"
+    if f in (F.max_pool2d, torch.max_pool2d):
+        return "ceil_mode=True or return_indices=True on F.max_pool2d: use nn.MaxPool2d"
+    if f is F.adaptive_avg_pool2d:
+        return "only adaptive average pooling to 1x1 (a global mean) runs on tiles"
+    if name in ("mean", "sum", "amax", "amin", "max", "min", "softmax", "log_softmax", "std",
+                "var", "norm", "cumsum", "flip", "roll", "argmax"):
+        return (f"{name} is a reduction or reordering fxpar does not tile (of these, only a "
+                f"mean over both H and W, dim=(2, 3), runs on tiles)")
+    if name == "interpolate":
+        return "F.interpolate is not tiled: use nn.Upsample(scale_factor=<integer>)"
+    if name == "pad":
+        return "F.pad is not tiled: use nn.ZeroPad2d, or the padding of the next conv"
+    if name in ("view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",
+                "getitem", "narrow", "split", "chunk", "expand", "unfold", "pixel_shuffle",
+                "linear", "matmul", "bmm", "einsum", "size"):
+        return f"{name} changes or indexes the H/W layout; fxpar only tiles known ops"
+    return f"fxpar does not know how {name} ({n.op}) acts on H and W, so it never guesses"
+
+
+def _module_why_not(m: nn.Module) -> str:
+    kind = type(m).__name__
+    if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)) and m.padding_mode != "zeros":
+        return f"padding_mode={m.padding_mode!r}: only zero padding runs on tiles"
+    if isinstance(m, nn.Conv2d) and isinstance(m.padding, str):
+        return (f"padding={m.padding!r} given as a string: give the padding as numbers "
+                f"(e.g. padding=1 for a 3x3 kernel)")
+    if isinstance(m, nn.MaxPool2d) and m.return_indices:
+        return "return_indices=True: max-unpooling indices are not tiled"
+    if isinstance(m, nn.ConvTranspose2d):
+        return ("output_padding, or a stride larger than the dilated kernel, is not handled on "
+                "tiles")
+    if isinstance(m, nn.Upsample):
+        return ("only Upsample(scale_factor=<integer>, mode='nearest' or 'bilinear' with "
+                "align_corners=False) runs on tiles, not size=... or fractional scales")
+    if isinstance(m, nn.AdaptiveAvgPool2d):
+        return "only adaptive average pooling to 1x1 (a global mean) runs on tiles"
+    if isinstance(m, (nn.Flatten, nn.Linear, nn.Unflatten, nn.PixelShuffle, nn.Softmax,
+                      nn.Softmax2d, nn.AdaptiveMaxPool2d, nn.LocalResponseNorm, nn.GroupNorm,
+                      nn.LayerNorm, nn.InstanceNorm2d)):
+        return f"{kind} mixes values across H and W (or reshapes them)"
+    if isinstance(m, (nn.Conv1d, nn.Conv3d, nn.BatchNorm1d, nn.BatchNorm3d, nn.MaxPool3d,
+                      nn.AvgPool3d)):
+        return f"{kind} is not a 2-D op: spatial parallelism splits H and W of 4-D tensors"
+    return f"fxpar does not know how {kind} acts on H and W, so it never guesses"
 
 
 def _mean(n: fx.Node, dim_pos: int) -> Mean | None:

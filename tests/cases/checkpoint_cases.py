@@ -1,8 +1,10 @@
 """Sharded checkpoints under a real mpiexec (run by tests/test_programs.py, 4 ranks, float64).
 
 Resume is checked bitwise against an uninterrupted run: parameters, BatchNorm buffers and
-momentum buffers of every (copy, stage) module on every rank. Export / import are checked
-against one process (export bitwise, training after import to float64 tolerances)."""
+momentum buffers of every (copy, stage) module on every rank, from a checkpoint folder that also
+holds what a save killed part way leaves (a newer version folder without its manifest). Export /
+import are checked against one process (export bitwise, training after import to float64
+tolerances). tests/test_checkpoint_crash.py kills a rank during a real save."""
 
 import copy
 import shutil
@@ -83,8 +85,14 @@ def _resume(plan, steps: int = 3, saved_at: int = 1) -> None:
         first.train_step(x, y)
     folder = _folder(comm)
     rng = torch.get_rng_state()
-    checkpoint.save(first, folder, step=saved_at, extra={"epoch": 0})
-    assert (folder / f"rank{comm.rank:05d}.pt").exists()
+    version = checkpoint.save(first, folder, step=saved_at, extra={"epoch": 0})
+    assert version == folder / f"step-{saved_at:08d}" and version.is_dir()
+    if comm.rank == 0:  # what a later save killed part way leaves: shards, no manifest
+        unfinished = folder / f"step-{saved_at + 5:08d}"
+        unfinished.mkdir()
+        (unfinished / "rank00000.pt").write_bytes(b"PK\x03\x04 not this job's")
+        (unfinished / ".rank00001.pt.tmp99").write_bytes(b"PK\x03")
+    comm.barrier()
 
     resumed, _ = _compile(plan, 123, comm)  # a fresh, differently initialised model
     objects = [id(p) for p in resumed.parameters()]
@@ -96,6 +104,9 @@ def _resume(plan, steps: int = 3, saved_at: int = 1) -> None:
     assert checkpoint.read_manifest(folder)["extra"] == {"epoch": 0}
     for x, y in data[saved_at:]:
         resumed.train_step(x, y)
+    checkpoint.save(resumed, folder, step=steps, keep=1)  # prunes step 1 and the unfinished
+    if comm.rank == 0:
+        assert sorted(p.name for p in folder.iterdir()) == ["latest", f"step-{steps:08d}"]
 
     got, want = _training_state(resumed), _training_state(straight)
     assert [k for k, _ in got] == [k for k, _ in want]
