@@ -145,3 +145,23 @@ def case_split_convolutions_sp_pp_amoebanet_p3_vertical():
                            (4, 3, 48, 48),
                            fxpar.Plan(stages=2, spatial_parts=3, slice="vertical",
                                       microbatches=2, schedule="1f1b")))
+
+
+class RowBias(nn.Module):
+    """A learned (1, C, H, 1) bias added inside the would-be region: an untiled operand that
+    varies along the split dim H. fxpar must end the region before the add (it used to compile
+    and then crash at the first step)."""
+
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.bias = nn.Parameter(torch.randn(1, 6, h, 1))
+        self.conv2 = nn.Conv2d(6, 6, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv2(torch.relu(self.conv(x) + self.bias))
+
+
+def case_untiled_operand_varying_along_a_split_dim_ends_the_region():
+    check(Case(lambda: Head(RowBias(12), 6), (4, 3, 12, 10),
+               fxpar.Plan(spatial_parts=2, slice="horizontal")))
