@@ -1,0 +1,92 @@
+"""``fxpar-checkpoint``: inspect or convert a sharded checkpoint (fxpar.checkpoint).
+
+    fxpar-checkpoint info ckpt/              # step, versions kept, plan, which rank holds what
+    fxpar-checkpoint export ckpt/ model.pt   # the single-device state_dict
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fxpar.checkpoint import (
+    LATEST,
+    CheckpointError,
+    _complete,
+    _open,
+    _read_latest,
+    _some,
+    _version_folders,
+    export,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``fxpar-checkpoint export CKPT_DIR OUT.pt``: write the single-device state_dict;
+    ``fxpar-checkpoint info CKPT_DIR``: print its step, versions, plan and layout."""
+    parser = argparse.ArgumentParser(
+        prog="fxpar-checkpoint", description="Inspect or convert an fxpar sharded checkpoint.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="write the single-device state_dict (torch.save) that "
+                                       "model.load_state_dict accepts")
+    where = ("checkpoint folder (its 'latest' version is used), or one version's folder "
+             "(DIR/step-NNNNNNNN)")
+    ex.add_argument("folder", help=where)
+    ex.add_argument("out", help="output file, e.g. model.pt")
+    info = sub.add_parser("info", help="print the checkpoint's step, plan and layout")
+    info.add_argument("folder", help=where)
+    args = parser.parse_args(argv)
+    try:
+        version, manifest = _open(args.folder)
+        if args.command == "info":
+            print(_describe(Path(args.folder), version, manifest))
+            return 0
+        state = export(version)
+    except CheckpointError as e:
+        print(f"fxpar-checkpoint: {e}", file=sys.stderr)
+        return 1
+    torch.save(state, args.out)
+    params = set(manifest["parameters"])
+    n_params = sum(1 for k in state if k in params)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"wrote {args.out}: {len(state)} tensors ({n_params} parameters, "
+          f"{len(state) - n_params} buffers, {size / 2**20:.2f} MiB) of step "
+          f"{manifest['step']}, from a {manifest['world_size']}-rank checkpoint")
+    if manifest["unsaved"]:
+        print(f"not in the checkpoint (used by no stage): {_some(manifest['unsaved'])}")
+    return 0
+
+
+def _describe(root: Path, version: Path, manifest: dict[str, Any]) -> str:
+    from fxpar.plan import Plan
+
+    default = Plan().to_json()
+    plan = {k: v for k, v in manifest["plan"].items() if default.get(k) != v}
+    lines = [f"step {manifest['step']}, {manifest['world_size']} ranks, "
+             f"{len(manifest['names'])} tensors", f"folder: {version}"]
+    pointer = _read_latest(root)
+    if pointer is not None and version != root:
+        kept = ", ".join(pointer["versions"])
+        lines[-1] += f" (named by {root / LATEST}; versions kept: {kept})"
+        unfinished = [p.name for p in _version_folders(root) if not _complete(p)]
+        if unfinished:
+            lines.append(f"unfinished saves (ignored; the next save removes them): "
+                         f"{', '.join(unfinished)}")
+    lines.append(f"plan: {plan}")
+    for row in manifest["ranks"]:
+        roles = ", ".join(f"dp {r['dp']} copy {r['copy']} stage {r['stage']} tile {r['tile']}"
+                          for r in row["roles"])
+        lines.append(f"  {row['file']}: {roles}")
+    if manifest.get("extra"):
+        lines.append(f"extra: {manifest['extra']}")
+    return "\n".join(lines)
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())
