@@ -125,7 +125,8 @@ def compile(  # noqa: A001 - the public name the design fixes
     per_copy = {c: pipeline(plan.stages, chunks_per_copy(plan), plan.schedule, links, copy=c)
                 for c in range(plan.copies)}
     roles = [[(r.copy, r.stage) for r in rank_map.roles_of(k)] for k in range(plan.world_size)]
-    sync = any(len(g) > 1 for g in stage_groups(rank_map).values())
+    # gradients to sum: a stage held by several ranks, or by one rank in both GEMS copies
+    sync = plan.copies > 1 or any(len(g) > 1 for g in stage_groups(rank_map).values())
     schedule = place(per_copy, roles, sync, lambda queues: interleave(queues, links))
     spatial = tile_stages(gm, graph, plan) if plan.spatial else None
     return Program(plan=plan, rank_map=rank_map, graph=graph, schedule=schedule,

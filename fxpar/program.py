@@ -189,7 +189,10 @@ class RankProgram:
         self.comm = comm
         self.device = torch.device("cpu")
         params = list(self.parameters())
-        self.optimizer = program.optimizer(iter(params)) if program.optimizer else None
+        # a rank whose stages own no parameter (only ReLUs and pools) has nothing to step:
+        # torch optimizers refuse an empty parameter list
+        self.optimizer = program.optimizer(iter(params)) \
+            if program.optimizer and params else None
         rank_map, dp = program.rank_map, program.rank_map.dp_index(rank)
         plan = program.plan
         comms = self._communicators()

@@ -260,6 +260,12 @@ class Runtime:
                 self._block(p.req.wait)
                 g = grads[p.transfer.src_out]
                 grads[p.transfer.src_out] = p.buf if g is None else g + p.buf
+            if self._my_tile(a) != 0:
+                # a replicated output's gradient came to tile 0; the other tiles' share is
+                # zero, but they must run the same backward (its halos and allreduces)
+                for t in self.graph.sends(a.stage):
+                    if t.grad and self._kind(t) == "replicated" and grads[t.src_out] is None:
+                        grads[t.src_out] = torch.zeros_like(outs[t.src_out])
             pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
                      if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
             if pairs:

@@ -225,13 +225,15 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
             if isinstance(op, Window):
                 _window(ctx, n, op)
             elif isinstance(op, Pointwise):
-                n.args = tuple(_as_tile(ctx, n, a) for a in n.args)
+                # nested too: the operands of a cat come as one list
+                n.args = fx.node.map_arg(n.args, lambda a, n=n: _as_tile(ctx, n, a))
             elif isinstance(op, BatchNorm):
                 with gm.graph.inserting_before(n):
                     bn = gm.graph.get_attr(op.path)
                     shape = _shape(n)
+                    x = _as_tile(ctx, n, n.args[0])  # the input image is whole: my tile
                     new = gm.graph.call_function(
-                        sync_batch_norm, (n.args[0], bn, key, shape[0] * shape[2] * shape[3]))
+                        sync_batch_norm, (x, bn, key, shape[0] * shape[2] * shape[3]))
                 _replace(gm.graph, n, new)
             continue
         tiled_ins = [a for a in n.all_input_nodes if _tiled(a) and a not in ctx.replicated]

@@ -52,12 +52,15 @@ def assert_grads_and_params(named: dict[str, nn.Parameter], ref: nn.Module,
 
 def assert_buffers(state: dict[str, torch.Tensor], ref: nn.Module | dict[str, torch.Tensor],
                    atol: float = 1e-12, rtol: float = 1e-10) -> None:
-    """BatchNorm running statistics (every buffer in ``state``) equal the reference's (a
-    module, or its named buffers)."""
+    """BatchNorm running statistics (every buffer in ``state``, a rank's state_dict) equal the
+    reference's (a module, or its named buffers). With a module, every name in ``state`` must
+    be one of its parameters or buffers, so a misnamed buffer fails instead of going
+    uncompared."""
     ref_buffers = dict(ref.named_buffers()) if isinstance(ref, nn.Module) else ref
-    compared = 0
+    if isinstance(ref, nn.Module):
+        known = set(ref_buffers) | {n for n, _ in ref.named_parameters()}
+        unknown = sorted(set(state) - known)
+        assert not unknown, f"names not in the reference model: {unknown}"
     for name, b in state.items():
         if name in ref_buffers:
             assert_same(f"buffer {name}", b, ref_buffers[name], atol, rtol)
-            compared += 1
-    assert compared or not ref_buffers or not state, "no buffer compared"
