@@ -140,8 +140,14 @@ def _nothing_tiled(gm: fx.GraphModule, plan: Plan, grid: Grid) -> str:
                 f"spatial_parts=1 (stages, microbatches, gems and data_parallel work on any "
                 f"input)")
     first = _first_end(gm)
-    why = _explained(gm, first) if first is not None else "no 4-D input"
-    head = f"nothing in this model can run on {grid.rows}x{grid.cols} tiles ({why})"
+    if first is None:  # the region goes on past every use of the image: global means only
+        mean = next(u for n in inputs for u in n.users)
+        return (f"nothing in this model can run on {grid.rows}x{grid.cols} tiles: the image "
+                f"goes straight into {_describe(gm, mean)}, a mean over all of H and W, so "
+                f"there is no per-pixel work to split; set spatial_parts=1 (or put "
+                f"convolutions before the mean)")
+    head = (f"nothing in this model can run on {grid.rows}x{grid.cols} tiles "
+            f"({_explained(gm, first)})")
     ext = _extent(first) if first is not None else None
     if first is not None and first.op != "placeholder" and (ext is None or grid.fits(ext)):
         return (f"{head}: the first op on the image must run on tiles; change that op or set "
