@@ -127,7 +127,9 @@ def compile(  # noqa: A001 - the public name the design fixes
     roles = [[(r.copy, r.stage) for r in rank_map.roles_of(k)] for k in range(plan.world_size)]
     # gradients to sum: a stage held by several ranks, or by one rank in both GEMS copies
     sync = plan.copies > 1 or any(len(g) > 1 for g in stage_groups(rank_map).values())
-    schedule = place(per_copy, roles, sync, lambda queues: interleave(queues, links))
+    together = rank_map.tile_groups()
+    schedule = place(per_copy, roles, sync,
+                     lambda queues: interleave(queues, links, together=together))
     spatial = tile_stages(gm, graph, plan) if plan.spatial else None
     return Program(plan=plan, rank_map=rank_map, graph=graph, schedule=schedule,
                    loss_fn=loss_fn, optimizer=optimizer, batch_size=int(shape[0]),

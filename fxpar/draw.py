@@ -225,7 +225,8 @@ def timeline_bars(program: Program, stage_cost: Mapping[int, float] | None = Non
     """Simulate one training step of ``program`` (F of stage s costs ``stage_cost[s]``, B
     twice that; unit costs F=1, B=2 when None) and return each rank's bars."""
     return bars_from_sim(simulate(program.schedule, links_of(program.graph),
-                                  stage_cost=stage_cost))
+                                  stage_cost=stage_cost,
+                                  together=program.rank_map.tile_groups()))
 
 
 def bars_from_metrics(metrics: Mapping[str, Any]) -> dict[int, list[Bar]]:

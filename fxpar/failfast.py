@@ -92,10 +92,17 @@ def _world_abort(code: int) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
+def _say(text: str) -> None:
+    """Write ``text`` and its newline to stderr in one call: ranks failing at once (several
+    watchdogs firing) then print whole lines, not one glued to another."""
+    sys.stderr.write(text.rstrip("\n") + "\n")
+    sys.stderr.flush()
+
+
 def _end_job(rank: int, size: int, text: str) -> None:
     """Print ``text`` under the banner, then end every rank of the job."""
     sys.stdout.flush()
-    print(f"{failure_banner(rank, size)}\n{text}", file=sys.stderr, flush=True)
+    _say(f"{failure_banner(rank, size)}\n{text}")
     (_abort or _world_abort)(1)
     os._exit(1)  # MPI_Abort can return when every peer has already exited
 
@@ -121,8 +128,7 @@ def _hook(kind: type[BaseException], value: BaseException, tb: TracebackType | N
             (_abort or _world_abort)(1)
             os._exit(1)
         sys.stdout.flush()
-        print(f"fxpar: the start-up check failed on every rank; ending the whole job.\n{text}",
-              file=sys.stderr, flush=True)
+        _say(f"fxpar: the start-up check failed on every rank; ending the whole job.\n{text}")
         (_abort or _world_abort)(1)
         os._exit(1)
     _end_job(rank, size, text)
@@ -250,8 +256,7 @@ class Watchdog:
             doing = f" (while running action {self.doing})" if self.doing else ""
             rank = self.rank()
             sys.stdout.flush()
-            print(watchdog_message(rank, time.monotonic() - since, what(), doing),
-                  file=sys.stderr, flush=True)
+            _say(watchdog_message(rank, time.monotonic() - since, what(), doing))
             (_abort or _world_abort)(1)
             os._exit(1)
 

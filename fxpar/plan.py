@@ -209,6 +209,14 @@ class RankMap:
         """Ranks of one stage's group, in tile order."""
         return tuple(self.rank_of(dp, copy, stage, t) for t in range(self.plan.group_size(stage)))
 
+    def tile_groups(self) -> dict[tuple[int, int, int], tuple[int, ...]]:
+        """(rank, copy, stage) -> the ranks that run that spatial stage of that copy together
+        (its tiles; their forward and backward are collective), for every rank's spatial
+        roles. Schedules use it: ranks in two groups (GEMS) must meet each in one order."""
+        return {(r, role.copy, role.stage): self.group(self.dp_index(r), role.copy, role.stage)
+                for r in range(self.plan.world_size) for role in self.roles_of(r)
+                if self.plan.group_size(role.stage) > 1}
+
     def dp_index(self, rank: int) -> int:
         """The data-parallel replica ``rank`` belongs to."""
         return rank // self.layout_size

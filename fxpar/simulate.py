@@ -12,7 +12,7 @@ can be compared with the formula (p-1)/(m+p-1), and when each action ran (``span
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -58,11 +58,22 @@ def _senders(links: Links) -> dict[int, set[int]]:
     return {s: {a for a, dsts in links.items() if s in dsts} for s in links}
 
 
+Together = Mapping[tuple[int, int, int], Sequence[int]]
+"""(rank, copy, stage) -> the ranks whose F and B of that stage and copy are one collective
+(the tiles of a spatial stage: halo exchanges, BatchNorm and mean allreduces), as
+``RankMap.tile_groups`` gives. Such an action runs on all of them at once, when each has it
+next."""
+
+
 def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
-             b_cost: float = 2.0, stage_cost: Mapping[int, float] | None = None) -> SimResult:
+             b_cost: float = 2.0, stage_cost: Mapping[int, float] | None = None,
+             together: Together | None = None) -> SimResult:
     """Execute ``schedule``; raise ScheduleError on deadlock.
 
-    stage_cost: F cost per stage (B costs twice as much), instead of ``f_cost``/``b_cost``."""
+    stage_cost: F cost per stage (B costs twice as much), instead of ``f_cost``/``b_cost``.
+    together: tile groups (``RankMap.tile_groups``): their F and B start at once on every
+    tile, when all have reached it."""
+    together = together or {}
     senders = _senders(links)
     sent: dict[Action, float] = {}  # (kind, stage, mb, copy) of a send -> time it ran
     clock = {r: 0.0 for r in schedule}
@@ -90,8 +101,17 @@ def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
                         cost = stage_cost[a.stage] * (1.0 if a.kind == "F" else 2.0)
                     else:
                         cost = f_cost if a.kind == "F" else b_cost
-                    clock[r] += cost
-                    busy[r] += cost
+                    tiles = together.get((r, a.copy, a.stage), (r,))
+                    if any(schedule[m][pc[m]:pc[m] + 1] != [a] for m in tiles):
+                        break  # a collective: every tile must have reached it
+                    start = max(clock[m] for m in tiles)
+                    for m in tiles:
+                        clock[m] = start + cost
+                        busy[m] += cost
+                        spans[m].append(Span(a, start, clock[m]))
+                        pc[m] += 1
+                    progress = True
+                    continue
                 spans[r].append(Span(a, start, clock[r]))
                 pc[r] += 1
                 progress = True
@@ -161,17 +181,33 @@ def validate(schedule: Schedule, links: Links) -> None:
 
 
 def interleave(queues: dict[int, list[list[Action]]], links: Links, f_cost: float = 1.0,
-               b_cost: float = 2.0) -> Schedule:
+               b_cost: float = 2.0, together: Together | None = None) -> Schedule:
     """Merge each rank's several action lists (GEMS: one per model copy) into one order by list
     scheduling: each rank runs, of its lists' next actions, the one that can start earliest.
-    The result comes with a deadlock-free execution as witness (this simulation)."""
+    The result comes with a deadlock-free execution as witness (this simulation).
+
+    together: tile groups (see ``Together``); ranks that share two of them (GEMS with spatial
+    parts) then meet their peers in each in one order."""
     senders = _senders(links)
     sent: dict[Action, float] = {}
     clock = {r: 0.0 for r in queues}
     pcs = {r: [0] * len(qs) for r, qs in queues.items()}
     out: dict[int, list[Action]] = {r: [] for r in queues}
+    together = together or {}
+    index = {(r, q[0].copy, q[0].stage): i for r, qs in queues.items()
+             for i, q in enumerate(qs) if q}
 
-    def ready(r: int, a: Action) -> float | None:
+    def group(r: int, i: int, a: Action) -> list[tuple[int, int]]:
+        """(rank, list index) of every rank that runs ``a`` together with ``r``."""
+        ranks = together.get((r, a.copy, a.stage), (r,)) if a.kind in ("F", "B") else (r,)
+        return [(m, index[(m, a.copy, a.stage)]) if m != r else (r, i) for m in ranks]
+
+    def ready(r: int, i: int, a: Action) -> float | None:
+        if a.kind in ("F", "B"):
+            slots = group(r, i, a)
+            if any(queues[m][j][pcs[m][j]:pcs[m][j] + 1] != [a] for m, j in slots):
+                return None  # a tile of the group is not there yet
+            return max(clock[m] for m, _ in slots)
         if a.kind not in _MATCH:
             return clock[r]
         peers = senders.get(a.stage, set()) if a.kind == "RECV_F" else links.get(a.stage, set())
@@ -185,19 +221,20 @@ def interleave(queues: dict[int, list[list[Action]]], links: Links, f_cost: floa
         progress = False
         for r, qs in queues.items():
             options = [(t, i) for i, q in enumerate(qs) if pcs[r][i] < len(q)
-                       if (t := ready(r, q[pcs[r][i]])) is not None]
+                       if (t := ready(r, i, q[pcs[r][i]])) is not None]
             if not options:
                 continue
             t, i = min(options)
             a = qs[i][pcs[r][i]]
-            clock[r] = t
-            if a.kind in ("SEND_F", "SEND_B"):
-                sent[a] = clock[r]
-            elif a.kind in ("F", "B"):
-                clock[r] += f_cost if a.kind == "F" else b_cost
-            out[r].append(a)
-            pcs[r][i] += 1
-            remaining -= 1
+            for m, j in group(r, i, a):
+                clock[m] = t
+                if a.kind in ("SEND_F", "SEND_B"):
+                    sent[a] = clock[m]
+                elif a.kind in ("F", "B"):
+                    clock[m] += f_cost if a.kind == "F" else b_cost
+                out[m].append(a)
+                pcs[m][j] += 1
+                remaining -= 1
             progress = True
         if not progress:
             stuck = {r: [str(q[pcs[r][i]]) for i, q in enumerate(qs) if pcs[r][i] < len(q)]

@@ -146,6 +146,12 @@ FOUND: dict[str, tuple[Spec, dict[str, Any]]] = {
     "a replicated value leaves a spatial stage": ({**SMALL, "batch": 8, "size": [12, 12],
                                                    "nodes": [CONV]},
                                                   {"spatial_parts": 2, "stages": 2}),
+    # GEMS with 3 tiles: ranks 1 and 2 are tiles of both copies' spatial stage, and the merged
+    # order had rank 1 in copy 1's forward while rank 2 was in copy 0's backward (deadlock)
+    "two copies' tile groups share ranks": ({**SMALL, "batch": 6, "size": [12, 12],
+                                             "nodes": [{**CONV, "out": 2}]},
+                                            {"stages": 2, "spatial_parts": 3, "gems": True,
+                                             "microbatches": 3, "schedule": "1f1b"}),
 }
 """Bugs the fuzzer found, shrunk to the smallest example (each fixed in fxpar; kept so they
 stay fixed)."""

@@ -235,7 +235,8 @@ def _print_report(gm: fx.GraphModule, program: Program | None) -> None:
         print(f"\nschedule: {plan.schedule}, {plan.microbatches} micro-batches"
               f"{', GEMS x2 copies' if plan.gems else ''} (one training step, step x rank)")
         print(format_grid(program.schedule))
-        sim = simulate(program.schedule, links_of(program.graph))
+        sim = simulate(program.schedule, links_of(program.graph),
+                       together=program.rank_map.tile_groups())
         print(f"simulated bubble (F=1, B=2 ticks): {sim.bubble:.1%}; one copy's formula "
               f"(p-1)/(m+p-1) = "
               f"{(plan.stages - 1) / (plan.microbatches + plan.stages - 1):.1%}")

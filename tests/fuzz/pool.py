@@ -63,7 +63,10 @@ class Pool:
         self._next_id = 0
 
     def _start(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        # a deadlocked case ends the pool at once, saying where each rank waited, instead of
+        # running into the timeout (shrinking a hang would otherwise take minutes)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               "FXPAR_WATCHDOG": f"{max(10.0, self.timeout / 3):g}"}
         began = time.monotonic()
         self._proc = subprocess.Popen(
             [mpiexec(), "-n", str(self.ranks), sys.executable, str(WORKER)],
@@ -100,12 +103,12 @@ class Pool:
                 log.append(f"[no answer within {timeout:.0f} s, or {GRACE:.0f} s after a rank "
                            f"failed: ranks left waiting for a failed peer]\n")
                 return None, "".join(log)
-            if failed and line.startswith(failed):
-                deadline = min(deadline, time.monotonic() + GRACE)
             if line is None:
                 code = self._proc.wait() if self._proc is not None else None
                 log.append(f"[the pool ended, exit code {code}]\n")
                 return None, "".join(log)
+            if failed and line.startswith(failed):
+                deadline = min(deadline, time.monotonic() + GRACE)
             if match(line):
                 return line, "".join(log)
             log.append(line)
