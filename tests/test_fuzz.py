@@ -13,9 +13,10 @@ any difference from the one-process result, fails and shrinks to a small example
 example runs in one persistent ``mpiexec`` pool (tests/fuzz/pool.py).
 
 CI runs a fixed, derandomized set of examples (the same ones on every run). A longer run with
-fresh random examples, e.g. 500 (about half a minute of setup plus ~1 s per example)::
+fresh random examples, e.g. 1000 (300 took 80 s on 2 cores; shrinking a failure takes
+minutes more)::
 
-    FXPAR_FUZZ_EXAMPLES=500 .venv/bin/python -m pytest -q -s -p no:cacheprovider \\
+    FXPAR_FUZZ_EXAMPLES=1000 .venv/bin/python -m pytest -q -s -p no:cacheprovider \\
         tests/test_fuzz.py
 
 ``FXPAR_FUZZ_SEED=N`` repeats a long run's examples; ``FXPAR_FUZZ_TIMEOUT`` (seconds, default
@@ -42,7 +43,7 @@ from fxpar.plan import Plan, PlanError
 from passes.split_stages import compute_nodes as traced_compute_nodes
 
 CI_EXAMPLES = 40
-"""Examples CI checks (with shrinking only when one fails): about 1 s each."""
+"""Examples CI checks (with shrinking only when one fails): well under 1 s each."""
 LONG = int(os.environ.get("FXPAR_FUZZ_EXAMPLES", "0"))
 
 

@@ -66,15 +66,24 @@ def _window(x: torch.Tensor, ex: Exchange, key: str, replicated: bool, tag: int
     received from other tiles (to rebuild the window later without communicating)."""
     if replicated:  # every rank holds the whole tensor: slice, no messages
         return _rebuild(x, ex, True, []), []
-    comm = group(key)
-    n, c = x.shape[:2]
-    pieces: Pieces = [(rect, x.new_empty((n, c, *rect.shape))) for _, rect in ex.recvs]
-    reqs: list[Request] = [comm.irecv(buf, src, tag=tag)
-                           for (src, _), (_, buf) in zip(ex.recvs, pieces, strict=True)]
-    reqs += [comm.isend(_region(x, ex.own, rect).contiguous(), dst, tag=tag)
-             for dst, rect in ex.sends]
+    pieces, reqs = _swap(x, key, tag, ex.recvs,
+                         [(dst, _region(x, ex.own, rect)) for dst, rect in ex.sends])
     Comm.waitall(reqs)
     return _rebuild(x, ex, False, pieces), pieces
+
+
+def _swap(like: torch.Tensor, key: str, tag: int, recvs: list[tuple[int, Rect]],
+          sends: list[tuple[int, torch.Tensor]]) -> tuple[Pieces, list[Request]]:
+    """Post a receive of each ``(source, rect)`` into a fresh buffer and a send of each
+    ``(destination, tensor)`` in the tile group; the received pieces and the requests to wait
+    for. Forward sends halo cells out and receives the window's pieces; backward the reverse."""
+    comm = group(key)
+    n, c = like.shape[:2]
+    pieces: Pieces = [(rect, like.new_empty((n, c, *rect.shape))) for _, rect in recvs]
+    reqs: list[Request] = [comm.irecv(buf, src, tag=tag)
+                           for (src, _), (_, buf) in zip(recvs, pieces, strict=True)]
+    reqs += [comm.isend(t.contiguous(), dst, tag=tag) for dst, t in sends]
+    return pieces, reqs
 
 
 def _rebuild(x: torch.Tensor, ex: Exchange, replicated: bool, pieces: Pieces) -> torch.Tensor:
@@ -112,15 +121,9 @@ def _window_grad(g: torch.Tensor, ex: Exchange, key: str, replicated: bool, tag:
         if inside is not None:
             _region(gx, full, inside).copy_(_region(g, ex.need, inside))
         return gx  # a partial gradient of a replicated tensor
-    comm = group(key)
-    reqs: list[Request] = []
-    bufs = []
-    for src, rect in ex.sends:  # they needed my cells: their gradients come back
-        buf = g.new_empty((n, c, *rect.shape))
-        reqs.append(comm.irecv(buf, src, tag=tag))
-        bufs.append((rect, buf))
-    for dst, rect in ex.recvs:
-        reqs.append(comm.isend(_region(g, ex.need, rect).contiguous(), dst, tag=tag))
+    # the tiles that needed my cells send their gradients back; theirs go back to them
+    bufs, reqs = _swap(g, key, tag, ex.sends,
+                       [(dst, _region(g, ex.need, rect)) for dst, rect in ex.recvs])
     local = ex.local
     if local == ex.own:  # the usual case: the window holds the whole tile
         gx = _region(g, ex.need, local).clone(memory_format=torch.contiguous_format)
@@ -183,13 +186,8 @@ class _HaloOp(torch.autograd.Function):
             return out
         ctx.save_for_backward(x, *params)
         ex = spec.exchange
-        comm = group(spec.key)
-        n, c = x.shape[:2]
-        ctx.pieces = [(rect, x.new_empty((n, c, *rect.shape))) for _, rect in ex.recvs]
-        reqs = [comm.irecv(buf, src, tag=spec.tag)
-                for (src, _), (_, buf) in zip(ex.recvs, ctx.pieces, strict=True)]
-        reqs += [comm.isend(_region(x, ex.own, rect).contiguous(), dst, tag=spec.tag)
-                 for dst, rect in ex.sends]
+        ctx.pieces, reqs = _swap(x, spec.key, spec.tag, ex.recvs,
+                                 [(dst, _region(x, ex.own, rect)) for dst, rect in ex.sends])
         out = haloconv.tile_part(x, split, spec.cfg, params)  # while the halo travels
         Comm.waitall(reqs)
         return haloconv.add_bands(out, x, ex, split, ctx.pieces, spec.cfg, params[0])
@@ -251,14 +249,9 @@ def _split_backward(ctx: Any, g: torch.Tensor, x: torch.Tensor,
                                          want_x, want_w)
     reqs: list[Request] = []
     bufs: Pieces = []
-    if halo is not None:
-        comm = group(spec.key)
-        n, c = x.shape[:2]
-        for src, rect in ex.sends:  # they needed my cells: their gradients come back
-            bufs.append((rect, x.new_empty((n, c, *rect.shape))))
-            reqs.append(comm.irecv(bufs[-1][1], src, tag=spec.tag + 1))
-        reqs += [comm.isend(gh, dst, tag=spec.tag + 1)
-                 for (dst, _), gh in zip(ex.recvs, halo, strict=True)]
+    if halo is not None:  # the halo part goes to the tiles it came from; mine comes back
+        bufs, reqs = _swap(x, spec.key, spec.tag + 1, ex.sends,
+                           [(dst, gh) for (dst, _), gh in zip(ex.recvs, halo, strict=True)])
     gx, gw, gb = haloconv.tile_grads(g, x, ctx.split, spec.cfg, params,
                                      (want_x, want_w, len(params) > 1 and need[3]))
     if gw is not None and gw_bands is not None:
