@@ -3,31 +3,25 @@ mpiexec (6 ranks, oversubscribed), exact vs one process with gradient accumulati
 same chunks: loss, every gradient and parameter on every rank and in both copies after 2 SGD
 steps, BatchNorm running statistics."""
 
-from pathlib import Path
-
 import pytest
+from launch import cases_in, check, launch
 
 from fxpar.plan import Plan
 from fxpar.schedule import Action, pipeline
 from fxpar.simulate import ScheduleError, interleave, simulate
-from fxpar.testing import run_cases
 
-FILE = Path(__file__).parent / "cases" / "gems_dp_cases.py"
-NAMES = [line.split("(")[0][4:] for line in FILE.read_text().splitlines()
-         if line.startswith("def case_")]
-CASES = [f"{FILE}::{n}" for n in NAMES]
+CASES, NAMES = cases_in("gems_dp_cases.py")
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_cases(CASES, n=6, timeout=1200, pythonpath=[FILE.parent.parent])
+    return launch(CASES, n=6, timeout=1200)
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("case", CASES, ids=NAMES)
 def test_gems_dp_transparency(results, case):
-    results[case].check()
-    print(f"{case.split('::')[1]}: {results[case].seconds:.1f} s on rank 0")
+    check(results, case)
 
 
 def _gems_queues(stages: int, m: int, name: str) -> dict[int, list[list[Action]]]:
