@@ -27,13 +27,14 @@ import datetime
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fxpar.comm import Comm
+from fxpar.failfast import watching
 
 _TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("FXPAR_TORCH_TIMEOUT", "600")))
 _world: TorchComm | None = None
@@ -42,12 +43,14 @@ _world: TorchComm | None = None
 class Work:
     """A pending torch.distributed operation (same interface as fxpar.comm.Request)."""
 
-    def __init__(self, work: Any, keep: object) -> None:
+    def __init__(self, work: Any, keep: object, what: Callable[[], str]) -> None:
         self._work = work
         self._keep = keep
+        self._what = what
 
     def wait(self) -> None:
-        self._work.wait()
+        with watching(self._what):  # FXPAR_WATCHDOG covers this backend too
+            self._work.wait()
         self._keep = None
 
     def test(self) -> bool:
@@ -96,14 +99,16 @@ class TorchComm(Comm):
         if not (self._p2p and dst != self.rank and self._mine(t)):
             return super().isend(t, dst, tag)
         t = t.detach().contiguous()
-        return Work(self._pg.send([t], dst, tag), t)
+        return Work(self._pg.send([t], dst, tag), t,
+                    lambda: self._p2p("send", t, "to", dst, tag))
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Any:
         if not (self._p2p and src != self.rank and self._mine(t)):
             return super().irecv(t, src, tag)
         if not t.is_contiguous():
             raise ValueError("receive buffer must be contiguous (data would land in a copy)")
-        return Work(self._pg.recv([t], src, tag), t)
+        return Work(self._pg.recv([t], src, tag), t,
+                    lambda: self._p2p("receive", t, "from", src, tag))
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         self.isend(t, dst, tag).wait()
@@ -128,7 +133,8 @@ class TorchComm(Comm):
         opts = dist.AllreduceOptions()
         opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                          "min": dist.ReduceOp.MIN}[op]
-        return self._pg.allreduce([t], opts)
+        return Work(self._pg.allreduce([t], opts), t,
+                    lambda: self._coll(f"allreduce ({op})", t))
 
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if not self._mine(t):
@@ -139,14 +145,15 @@ class TorchComm(Comm):
     def iallreduce(self, t: torch.Tensor) -> Any:
         if not self._mine(t):
             return super().iallreduce(t)
-        return Work(self._start_allreduce(t, "sum"), t)
+        return self._start_allreduce(t, "sum")
 
     def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
         if not self._mine(t):
             return super().allgather(t)
         out = [torch.empty_like(t, memory_format=torch.contiguous_format)
                for _ in range(self.size)]
-        self._pg.allgather([out], [t.contiguous()]).wait()
+        with watching(lambda: self._coll("allgather", t)):
+            self._pg.allgather([out], [t.contiguous()]).wait()
         return out
 
     def gather(self, t: torch.Tensor, root: int = 0) -> list[torch.Tensor] | None:
@@ -156,7 +163,8 @@ class TorchComm(Comm):
                for _ in range(self.size)] if self.rank == root else None
         opts = dist.GatherOptions()
         opts.rootRank = root
-        self._pg.gather([out] if out is not None else [], [t.contiguous()], opts).wait()
+        with watching(lambda: self._coll("gather", t)):
+            self._pg.gather([out] if out is not None else [], [t.contiguous()], opts).wait()
         return out
 
     def bcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
@@ -166,7 +174,8 @@ class TorchComm(Comm):
             raise ValueError("broadcast buffer must be contiguous (data would land in a copy)")
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        self._pg.broadcast([t], opts).wait()
+        with watching(lambda: self._coll("broadcast", t)):
+            self._pg.broadcast([t], opts).wait()
         return t
 
     # -- sub-communicators: Comm.split / group / node build TorchComms through _sub -----------

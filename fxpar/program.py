@@ -179,7 +179,11 @@ class Program:
 
 
 class RankProgram:
-    """One rank's share of a Program, ready to train."""
+    """One rank's share of a Program, ready to train.
+
+    ``optimizer`` is the factory's optimizer over this rank's parameters, or None when the
+    program was compiled without one, or when this rank's stages own no parameter (a stage of
+    only ReLUs and pools): guard LR schedulers with ``if rp.optimizer is not None``."""
 
     def __init__(self, program: Program, rank: int,
                  stages: dict[tuple[int, int], fx.GraphModule], comm: Comm | None) -> None:

@@ -120,3 +120,27 @@ def test_hook_is_installed_only_in_multi_rank_launches(monkeypatch):
     monkeypatch.setenv("FXPAR_FAILFAST", "0")
     monkeypatch.setenv("PMI_SIZE", "2")
     assert failfast.install() is False  # turned off
+
+
+def test_watchdog_covers_the_torch_distributed_backend(capfd, monkeypatch):
+    from fxpar.comm_torch import Work
+
+    fired = threading.Event()
+
+    def abort(code: int) -> None:
+        fired.set()
+        threading.Event().wait()
+
+    class Stuck:  # a process-group request whose peer never comes
+        def wait(self) -> None:
+            assert fired.wait(5.0)
+
+    monkeypatch.setattr(failfast, "_abort", abort)
+    monkeypatch.setattr(failfast, "_rank_size", lambda: (1, 2))
+    failfast.set_watchdog(0.3)
+    try:
+        Work(Stuck(), None, lambda: "receive of (4,) float32 from rank 0 (tag 3)").wait()
+    finally:
+        failfast.set_watchdog(None)
+    assert "fxpar watchdog: rank 1 waited 0 s in receive of (4,) float32 from rank 0 (tag 3)" \
+        in capfd.readouterr().err
