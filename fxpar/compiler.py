@@ -16,7 +16,7 @@ from fxpar.passdriver import run_passes
 from fxpar.plan import Plan, RankMap
 from fxpar.program import OptimizerFactory, Program, SpatialInfo
 from fxpar.runtime import LossFn
-from fxpar.schedule import Links, pipeline, place
+from fxpar.schedule import Links, Schedule, pipeline, place
 from fxpar.simulate import interleave
 from fxpar.spatial.geometry import Grid
 from fxpar.spatial.ops import group_key
@@ -74,6 +74,21 @@ def links_of(graph: StageGraph) -> Links:
     return links
 
 
+def rank_schedules(rank_map: RankMap, links: Links) -> Schedule:
+    """Every rank's action list: each copy's pipeline over ``links``, a rank's roles merged
+    into one order (tile groups meet in one order), then ALLREDUCE when gradients are summed
+    and STEP."""
+    plan = rank_map.plan
+    per_copy = {c: pipeline(plan.stages, chunks_per_copy(plan), plan.schedule, links, copy=c)
+                for c in range(plan.copies)}
+    roles = [[(r.copy, r.stage) for r in rank_map.roles_of(k)] for k in range(plan.world_size)]
+    # gradients to sum: a stage held by several ranks, or by one rank in both GEMS copies
+    sync = plan.copies > 1 or any(len(g) > 1 for g in stage_groups(rank_map).values())
+    together = rank_map.tile_groups()
+    return place(per_copy, roles, sync,
+                 lambda queues: interleave(queues, links, together=together))
+
+
 def compile(  # noqa: A001 - the public name the design fixes
     model: nn.Module,
     plan: Plan | None = None,
@@ -121,15 +136,7 @@ def compile(  # noqa: A001 - the public name the design fixes
     gm = run_passes(gm, plan, PASSES, after=after_pass)
     graph = build_stages(gm)
     rank_map = RankMap(plan)
-    links = links_of(graph)
-    per_copy = {c: pipeline(plan.stages, chunks_per_copy(plan), plan.schedule, links, copy=c)
-                for c in range(plan.copies)}
-    roles = [[(r.copy, r.stage) for r in rank_map.roles_of(k)] for k in range(plan.world_size)]
-    # gradients to sum: a stage held by several ranks, or by one rank in both GEMS copies
-    sync = plan.copies > 1 or any(len(g) > 1 for g in stage_groups(rank_map).values())
-    together = rank_map.tile_groups()
-    schedule = place(per_copy, roles, sync,
-                     lambda queues: interleave(queues, links, together=together))
+    schedule = rank_schedules(rank_map, links_of(graph))
     spatial = tile_stages(gm, graph, plan) if plan.spatial else None
     return Program(plan=plan, rank_map=rank_map, graph=graph, schedule=schedule,
                    loss_fn=loss_fn, optimizer=optimizer, batch_size=int(shape[0]),

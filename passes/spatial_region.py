@@ -141,15 +141,16 @@ def _nothing_tiled(gm: fx.GraphModule, plan: Plan, grid: Grid) -> str:
                 f"input)")
     first = _first_end(gm)
     if first is None:  # the region goes on past every use of the image: global means only
-        mean = next(u for n in inputs for u in n.users)
+        mean = next((u for n in inputs for u in n.users), None)
+        into = "is not used by the model" if mean is None else \
+            f"goes straight into {_describe(gm, mean)}, a mean over all of H and W"
         return (f"nothing in this model can run on {grid.rows}x{grid.cols} tiles: the image "
-                f"goes straight into {_describe(gm, mean)}, a mean over all of H and W, so "
-                f"there is no per-pixel work to split; set spatial_parts=1 (or put "
+                f"{into}, so there is no per-pixel work to split; set spatial_parts=1 (or put "
                 f"convolutions before the mean)")
     head = (f"nothing in this model can run on {grid.rows}x{grid.cols} tiles "
             f"({_explained(gm, first)})")
-    ext = _extent(first) if first is not None else None
-    if first is not None and first.op != "placeholder" and (ext is None or grid.fits(ext)):
+    ext = _extent(first)
+    if first.op != "placeholder" and (ext is None or grid.fits(ext)):
         return (f"{head}: the first op on the image must run on tiles; change that op or set "
                 f"spatial_parts=1")
     return head + _what_fits(gm, plan, grid, first)
@@ -211,10 +212,10 @@ def limit_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     return gm
 
 
-def _what_fits(gm: fx.GraphModule, plan: Plan, grid: Grid, first: fx.Node | None) -> str:
+def _what_fits(gm: fx.GraphModule, plan: Plan, grid: Grid, first: fx.Node) -> str:
     """': use an image of at least HxW, or spatial_parts <= P' for the op that failed."""
     image = next((_extent(n) for n in gm.graph.nodes if n.op == "placeholder"), None)
-    ext = _extent(first) if first is not None else None
+    ext = _extent(first)
     if image is None or ext is None or grid.fits(ext):
         return ": use a larger image or fewer spatial_parts"
     f = max(grid.rows / ext[0], grid.cols / ext[1])

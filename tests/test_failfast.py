@@ -72,14 +72,20 @@ def test_fingerprint_tells_seeds_and_plans_apart():
     assert {k for k in a if a[k] != d[k]} == {"plan", "schedule", "stage transfers"}
 
 
-def test_watchdog_fires_on_a_long_wait_with_what_and_where(capfd, monkeypatch):
-    fired = threading.Event()
+@pytest.fixture
+def fired(monkeypatch) -> threading.Event:
+    """Set when the watchdog aborts (standing in for MPI_Abort; its thread then parks)."""
+    event = threading.Event()
 
-    def abort(code: int) -> None:  # stands in for MPI_Abort; the daemon thread then parks
-        fired.set()
+    def abort(code: int) -> None:
+        event.set()
         threading.Event().wait()
 
     monkeypatch.setattr(failfast, "_abort", abort)
+    return event
+
+
+def test_watchdog_fires_on_a_long_wait_with_what_and_where(capfd, monkeypatch, fired):
     monkeypatch.setattr(failfast, "_rank_size", lambda: (3, 4))
     failfast.set_watchdog(0.3)
     try:
@@ -122,20 +128,13 @@ def test_hook_is_installed_only_in_multi_rank_launches(monkeypatch):
     assert failfast.install() is False  # turned off
 
 
-def test_watchdog_covers_the_torch_distributed_backend(capfd, monkeypatch):
+def test_watchdog_covers_the_torch_distributed_backend(capfd, monkeypatch, fired):
     from fxpar.comm_torch import Work
-
-    fired = threading.Event()
-
-    def abort(code: int) -> None:
-        fired.set()
-        threading.Event().wait()
 
     class Stuck:  # a process-group request whose peer never comes
         def wait(self) -> None:
             assert fired.wait(5.0)
 
-    monkeypatch.setattr(failfast, "_abort", abort)
     monkeypatch.setattr(failfast, "_rank_size", lambda: (1, 2))
     failfast.set_watchdog(0.3)
     try:
