@@ -67,12 +67,7 @@ def _module(node: Spec, c_in: int) -> nn.Module:
 
 def channels(spec: Spec) -> list[int]:
     """The channel count of every value (the input's first)."""
-    out = [spec["channels"]]
-    for node in spec["nodes"]:
-        src = [out[j] for j in node["src"]]
-        out.append(node["out"] if node["op"] == "conv" else sum(src) if node["op"] == "cat"
-                   else src[0])
-    return out
+    return _replay(spec).chans
 
 
 class FuzzNet(nn.Module):
@@ -137,13 +132,15 @@ def _size_after(node: Spec, c_in: int, hw: tuple[int, int]) -> tuple[int, int]:
 
 def shapes(spec: Spec) -> list[tuple[int, int]]:
     """(H, W) of every value, the input's first."""
-    chans = channels(spec)
-    out = [tuple(spec["size"])]
+    return _replay(spec).sizes
+
+
+def _replay(spec: Spec) -> _Graph:
+    """The channels and sizes of ``spec``'s values, as drawing it tracked them."""
+    g = _Graph(spec["channels"], tuple(spec["size"]))
     for node in spec["nodes"]:
-        src = node["src"]
-        out.append(out[src[0]] if node["op"] in ("add", "cat")
-                   else _size_after(node, chans[src[0]], out[src[0]]))
-    return out
+        g.add(node)
+    return g
 
 
 # -- drawing a spec ----------------------------------------------------------------------------
