@@ -40,9 +40,18 @@ import torch
 from torch import fx, nn
 
 from fxpar import meta
+from fxpar.capture import BatchNormOp, DropoutOp
 from fxpar.meta import TensorInfo
 from fxpar.spatial.geometry import Rect
-from fxpar.spatial.ops import AvgDivisor, Halo, HaloOp, Join, spatial_mean, sync_batch_norm
+from fxpar.spatial.ops import (
+    AvgDivisor,
+    Halo,
+    HaloOp,
+    Join,
+    TileBatchNorm,
+    spatial_mean,
+    sync_batch_norm,
+)
 
 if TYPE_CHECKING:
     from fxpar.program import RankProgram
@@ -67,7 +76,8 @@ class _HaloLeaves(fx.Tracer):
         super().__init__(autowrap_functions=(sync_batch_norm, spatial_mean))
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, (Halo, HaloOp, Join, AvgDivisor)) or \
+        return isinstance(m, (Halo, HaloOp, Join, AvgDivisor, TileBatchNorm, BatchNormOp,
+                              DropoutOp)) or \
             super().is_leaf_module(m, qualname)
 
 

@@ -26,7 +26,14 @@ from fxpar.compiler import links_of
 from fxpar.passdriver import halo_note
 from fxpar.report import nbytes, op_name, shape_text
 from fxpar.simulate import SimResult, simulate
-from fxpar.spatial.ops import Halo, HaloOp, Join, spatial_mean, sync_batch_norm
+from fxpar.spatial.ops import (
+    Halo,
+    HaloOp,
+    Join,
+    TileBatchNorm,
+    spatial_mean,
+    sync_batch_norm,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -62,6 +69,8 @@ def special_kind(gm: fx.GraphModule, n: fx.Node) -> str | None:
             return "halo"
         if isinstance(mod, Join):
             return "join"
+        if isinstance(mod, TileBatchNorm):
+            return "sync"
     if n.target in (sync_batch_norm, spatial_mean):
         return "sync"
     return None

@@ -19,7 +19,14 @@ from torch import fx
 from fxpar import meta
 from fxpar.plan import Plan, PlanError
 from fxpar.report import node_table
-from fxpar.spatial.ops import Halo, HaloOp, Join, spatial_mean, sync_batch_norm
+from fxpar.spatial.ops import (
+    Halo,
+    HaloOp,
+    Join,
+    TileBatchNorm,
+    spatial_mean,
+    sync_batch_norm,
+)
 from fxpar.trace import TraceError
 from passes.spatial_region import SpatialLayout
 from passes.split_stages import StageAssignment
@@ -91,6 +98,8 @@ def halo_note(gm: fx.GraphModule, n: fx.Node) -> str:
             return f"{widths} <- tiles {recvs} -> tiles {sends}"
         if isinstance(mod, Join):
             return f"join: gather {len(mod.rects)} tiles"
+        if isinstance(mod, TileBatchNorm):
+            return "BatchNorm statistics: allreduce over tiles"
     if n.target is sync_batch_norm:
         return "BatchNorm statistics: allreduce over tiles"
     if n.target is spatial_mean:

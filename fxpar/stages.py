@@ -103,6 +103,9 @@ def _with_original_names(sub: fx.GraphModule, prefix: str, qualnames: dict[str, 
 def _writes_in_place(gm: fx.GraphModule, n: fx.Node) -> bool:
     if n.op == "call_module":
         return bool(getattr(gm.get_submodule(str(n.target)), "inplace", False))
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        first = n.target._schema.arguments[:1]  # aten.relu_: its first argument is written
+        return bool(first) and first[0].alias_info is not None and first[0].alias_info.is_write
     if n.op == "call_function":
         return bool(n.kwargs.get("inplace", False))
     return n.op == "call_method" and str(n.target).endswith("_") and \
@@ -124,6 +127,7 @@ def _own_attribute(sub: fx.GraphModule, placeholder: fx.Node, target: str) -> No
     body = next(n for n in sub.graph.nodes if n.op != "placeholder")
     with sub.graph.inserting_before(body), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node")
+        warnings.filterwarnings("ignore", "Failed to fetch module")
         node = sub.graph.get_attr(target)  # the tensor is attached when the stage is rebuilt
     node.meta = placeholder.meta.copy()
     placeholder.replace_all_uses_with(node)

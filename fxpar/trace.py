@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpar import meta
+from fxpar.capture import capture as capture_model
 from fxpar.meta import NodeCost, TensorInfo
 
 
@@ -182,12 +184,26 @@ def analyze(gm: fx.GraphModule, *example_inputs: torch.Tensor | Sequence[int]) -
 
 
 def trace(model: nn.Module, *example_inputs: torch.Tensor | Sequence[int],
-          leaf_modules: Sequence[type[nn.Module]] = ()) -> fx.GraphModule:
+          leaf_modules: Sequence[type[nn.Module]] = (),
+          capture: str | None = None) -> fx.GraphModule:
     """Trace ``model`` and analyse it on fake copies of ``example_inputs``.
 
     ``example_inputs`` may be real tensors, ``meta`` tensors, or plain shapes such as
     ``(8, 3, 16384, 16384)``: only their shapes and dtypes are used.
+    capture: "export" (ATen-level graph through torch.export, fxpar.capture) or "fx"
+        (module-level torch.fx symbolic trace); default: env FXPAR_CAPTURE, else "fx".
     """
+    how = capture or os.environ.get("FXPAR_CAPTURE", "fx")
+    if how == "export" and not leaf_modules:
+        first = next(iter(model.parameters()), None)
+        dtype = first.dtype if first is not None else torch.float32
+        examples = [x if isinstance(x, torch.Tensor) else torch.empty(tuple(x), dtype=dtype,
+                                                                      device="meta")
+                    for x in example_inputs]
+        if len(examples) != 1:
+            raise TraceError(f"fxpar captures models of one input tensor, got "
+                             f"{len(examples)} example inputs")
+        return analyze(capture_model(model, examples[0]), *example_inputs)
     return analyze(symbolic_trace(model, leaf_modules), *example_inputs)
 
 

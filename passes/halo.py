@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from fxpar import meta
+from fxpar.capture import BatchNormOp
 from fxpar.meta import TensorInfo
 from fxpar.spatial.geometry import Exchange, Grid, Rect, avg_counts, exchange
 from fxpar.spatial.opclass import BatchNorm, Mean, Pointwise, Window, classify
@@ -35,6 +36,7 @@ from fxpar.spatial.ops import (
     Halo,
     HaloOp,
     Join,
+    TileBatchNorm,
     spatial_mean,
     sync_batch_norm,
 )
@@ -53,6 +55,8 @@ class _Ctx:
 
     def add(self, prefix: str, module: torch.nn.Module) -> str:
         name = f"fxpar_{prefix}_{self.count}"
+        if hasattr(self.gm, name):  # never replace a module the graph already calls
+            raise AssertionError(f"tile module already has a submodule {name!r}")
         self.count += 1
         self.gm.add_submodule(name, module)
         return name
@@ -158,6 +162,12 @@ def _weights(ctx: _Ctx, n: fx.Node) -> tuple[Any, Any, Any]:
         w = g.get_attr(f"{n.target}.weight")
         b = g.get_attr(f"{n.target}.bias") if m.bias is not None else None
         return m, w, b
+    if isinstance(n.target, torch._ops.OpOverload):  # aten.conv2d / convolution / ...
+        names = [a.name for a in n.target._schema.arguments]
+        pos = names.index("groups")
+        groups = n.args[pos] if len(n.args) > pos else n.kwargs.get("groups", 1)
+        bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        return {"groups": groups}, n.args[1], bias
     bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
     groups = n.args[6] if len(n.args) > 6 else n.kwargs.get("groups", 1)
     return {"groups": groups}, n.args[1], bias
@@ -176,7 +186,8 @@ def _tile_op(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect, need: R
         return win
     if op.kind == "convT":
         m, w, b = _weights(ctx, n)
-        full = g.call_function(F.conv_transpose2d, (win, w, b, s, 0, 0, m.groups, d))
+        groups = m["groups"] if isinstance(m, dict) else m.groups
+        full = g.call_function(F.conv_transpose2d, (win, w, b, s, 0, 0, groups, d))
         base = (need.h[0] * s[0] - op.p[0], need.w[0] * s[1] - op.p[1])
         return _crop(g, full, (own.h[0] - base[0], own.h[1] - base[0]),
                      (own.w[0] - base[1], own.w[1] - base[1]))
@@ -204,6 +215,18 @@ def _as_tile(ctx: _Ctx, n: fx.Node, a: Any) -> Any:
     return a  # broadcast (e.g. a squeeze-excite scale of shape N x C x 1 x 1)
 
 
+def _tile_batch_norm(ctx: _Ctx, n: fx.Node) -> None:
+    """A captured graph's BatchNormOp -> TileBatchNorm (global statistics over the tiles)."""
+    bn = ctx.gm.get_submodule(str(n.target))
+    shape = _shape(n)
+    name = ctx.add("syncbn", TileBatchNorm(ctx.key, shape[0] * shape[2] * shape[3], bn.momentum,
+                                       bn.eps))
+    x = _as_tile(ctx, n, n.args[0])  # the input image is whole: my tile
+    with ctx.gm.graph.inserting_before(n):
+        new = ctx.gm.graph.call_module(name, (x, *n.args[1:]))
+    _replace(ctx.gm.graph, n, new)
+
+
 def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
                batch_inputs: set[int]) -> fx.GraphModule:
     """A copy of ``stage`` that runs tile ``tile`` of ``grid`` (parameters shared).
@@ -227,6 +250,9 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
             elif isinstance(op, Pointwise):
                 # nested too: the operands of a cat come as one list
                 n.args = fx.node.map_arg(n.args, lambda a, n=n: _as_tile(ctx, n, a))
+            elif isinstance(op, BatchNorm) and n.op == "call_module" and \
+                    isinstance(gm.get_submodule(str(n.target)), BatchNormOp):
+                _tile_batch_norm(ctx, n)
             elif isinstance(op, BatchNorm):
                 with gm.graph.inserting_before(n):
                     bn = gm.graph.get_attr(op.path)

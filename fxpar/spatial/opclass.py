@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from fxpar.spatial.geometry import (
-    Interval,
-    nearest_rows,
-    transposed_rows,
-    window_rows,
-)
+from fxpar.spatial import aten_ops
+from fxpar.spatial.opkind import BatchNorm, Mean, Op, Pointwise, Window
+
+__all__ = ["BatchNorm", "Mean", "Op", "Pointwise", "Window", "classify", "why_not"]
 
 _POINTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Sigmoid,
                       nn.Tanh, nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Identity, nn.Softplus,
@@ -34,57 +31,6 @@ _POINTWISE_METHODS = {"relu", "relu_", "sigmoid", "add", "add_", "mul", "mul_", 
                       "contiguous", "clone", "tanh", "clamp", "neg"}
 
 
-@dataclass(frozen=True)
-class Pointwise:
-    """Each output cell depends on the same cell of each input (broadcasting allowed)."""
-
-
-@dataclass(frozen=True)
-class Window:
-    """A windowed op. ``kind``: conv, maxpool, avgpool, pad, convT, nearest, bilinear.
-
-    Per dim (0 = H, 1 = W): kernel k, stride s, padding p (the leading side), dilation d.
-    """
-
-    kind: str
-    k: tuple[int, int]
-    s: tuple[int, int]
-    p: tuple[int, int]
-    d: tuple[int, int] = (1, 1)
-    fill: float = 0.0
-    attrs: tuple[tuple[str, Any], ...] = ()
-
-    def attr(self, name: str, default: Any = None) -> Any:
-        return dict(self.attrs).get(name, default)
-
-    def needs(self, out: Interval, dim: int) -> Interval:
-        """Input interval (global; may pass the borders) for output interval ``out``."""
-        k, s, p, d = self.k[dim], self.s[dim], self.p[dim], self.d[dim]
-        if self.kind == "convT":
-            return transposed_rows(out, k, s, p, d)
-        if self.kind == "nearest":
-            return nearest_rows(out, s)
-        if self.kind == "bilinear":  # one extra row each side: interpolation reads neighbours
-            lo, hi = nearest_rows(out, s)
-            return (lo - 1, hi + 1)
-        return window_rows(out, k, s, p, d)
-
-
-@dataclass(frozen=True)
-class BatchNorm:
-    """BatchNorm2d: global statistics over all tiles in training mode."""
-
-    path: str
-
-
-@dataclass(frozen=True)
-class Mean:
-    """Mean over H and W (global average pooling); the result is replicated."""
-
-    keepdim: bool
-
-
-Op = Pointwise | Window | BatchNorm | Mean
 
 
 def _pair(v: Any) -> tuple[int, int]:
@@ -100,7 +46,10 @@ def _arg(n: fx.Node, i: int, name: str, default: Any) -> Any:
 def classify(gm: fx.GraphModule, n: fx.Node) -> Op | None:
     """How ``n`` runs on tiles, or None if it cannot (the region must end before it)."""
     if n.op == "call_module":
-        return _classify_module(gm.get_submodule(str(n.target)), str(n.target))
+        m = gm.get_submodule(str(n.target))
+        return aten_ops.classify_module(m, str(n.target)) or _classify_module(m, str(n.target))
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        return aten_ops.classify_aten(n)
     if n.op == "call_method":
         if n.target in _POINTWISE_METHODS:
             return Pointwise()
@@ -138,6 +87,8 @@ def why_not(gm: fx.GraphModule, n: fx.Node) -> str:
     """Why :func:`classify` refuses ``n`` and what would let it run on tiles (for messages)."""
     if n.op == "call_module":
         return _module_why_not(gm.get_submodule(str(n.target)))
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        return aten_ops.why_not_aten(n)
     f = n.target
     name = f if isinstance(f, str) else getattr(f, "__name__", str(f))
     if f is torch.cat or name == "cat":

@@ -412,18 +412,52 @@ def sync_batch_norm(x: torch.Tensor, bn: nn.modules.batchnorm._BatchNorm, key: s
     """BatchNorm over the whole image: statistics are sums over all tiles (``count`` = N*H*W
     values per channel); running statistics updated as one device would. In eval mode (or
     without batch statistics) it is the ordinary, local BatchNorm."""
-    if not (bn.training or bn.running_mean is None):
-        return nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias,
-                                        False, 0.0, bn.eps)
-    y, mean, var = _SyncBatchNorm.apply(x, bn.weight, bn.bias, key, count, bn.eps)
-    if bn.training and bn.track_running_stats and bn.running_mean is not None:
+    batch_stats = bn.training or bn.running_mean is None
+    update = bn.training and bn.track_running_stats
+    return _batch_norm(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                       bn.num_batches_tracked if update else None, batch_stats, update,
+                       bn.momentum, bn.eps, key, count)
+
+
+def _batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                num_batches_tracked: torch.Tensor | None, batch_stats: bool, update: bool,
+                momentum: float | None, eps: float, key: str, count: int) -> torch.Tensor:
+    if not batch_stats:
+        return nn.functional.batch_norm(x, running_mean, running_var, weight, bias, False,
+                                        0.0, eps)
+    y, mean, var = _SyncBatchNorm.apply(x, weight, bias, key, count, eps)
+    if update and running_mean is not None and running_var is not None:
         with torch.no_grad():
-            if bn.num_batches_tracked is not None:
-                bn.num_batches_tracked.add_(1)
-            m = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
-            bn.running_mean.mul_(1 - m).add_(mean, alpha=m)
-            bn.running_var.mul_(1 - m).add_(var * (count / max(count - 1, 1)), alpha=m)
+            if num_batches_tracked is not None:
+                num_batches_tracked.add_(1)
+            m = 1.0 / float(num_batches_tracked) if momentum is None else momentum
+            running_mean.mul_(1 - m).add_(mean, alpha=m)
+            running_var.mul_(1 - m).add_(var * (count / max(count - 1, 1)), alpha=m)
     return y
+
+
+class TileBatchNorm(nn.Module):
+    """fxpar.capture.BatchNormOp on a tile: global statistics over the tile group ``key``
+    (``count`` = N*H*W values per channel), in the mode of the module that holds it."""
+
+    def __init__(self, key: str, count: int, momentum: float, eps: float) -> None:
+        super().__init__()
+        self.key, self.count, self.momentum, self.eps = key, count, momentum, eps
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"key": self.key, "count": self.count, "momentum": self.momentum,
+                "eps": self.eps}
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                num_batches_tracked: torch.Tensor | None = None) -> torch.Tensor:
+        return _batch_norm(x, weight, bias, running_mean, running_var, num_batches_tracked,
+                           self.training or running_mean is None, self.training,
+                           self.momentum, self.eps, self.key, self.count)
+
+    def extra_repr(self) -> str:
+        return f"statistics over tile group {self.key!r} ({self.count} values per channel)"
 
 
 class AvgDivisor(nn.Module):

@@ -1,0 +1,236 @@
+"""Capture: an ordinary model -> an ATen-level ``fx.GraphModule`` through ``torch.export``.
+
+``torch.export.export(model, (x,), strict=False)`` runs the model's Python once on a *fake*
+input (no image memory: a 16384x16384 ResNet-152 is captured in under a second) and records the
+ATen ops it calls. Python control flow, functional norms, padding computed from the input size
+(timm's ``Conv2dSame``), ``torch.jit.isinstance``: all resolved by running the real code, so the
+graph is what the model does, not what a symbolic tracer guessed. Parameters and buffers are
+``get_attr`` nodes under the original names (``layer1.0.conv1.weight``), shared with ``model``
+(training the program trains the model).
+
+The captured graph is then normalised for fxpar (:func:`normalize`):
+
+- the export wrappers go: the guard call, the pytree (un)flattening of inputs and output;
+- ops whose behaviour depends on train/eval mode, which export bakes in as a constant, become
+  small modules that read the stage module's mode (:class:`BatchNormOp` also owns the
+  ``num_batches_tracked += 1`` that export records as a separate ``aten.add_``,
+  :class:`DropoutOp`), so ``program.train()`` / ``program.eval()`` work as on the model;
+- every node keeps ``nn_module_stack`` and ``stack_trace`` for messages (:func:`where`).
+
+Before (export, train mode)::
+
+    add_ = torch.ops.aten.add_.Tensor(bn1_num_batches_tracked, 1)
+    batch_norm = torch.ops.aten.batch_norm.default(conv2d, bn1_weight, bn1_bias,
+        bn1_running_mean, bn1_running_var, True, 0.1, 1e-05, False)
+
+after::
+
+    batch_norm = self.fxpar_bn_0(conv2d, bn1_weight, bn1_bias, bn1_running_mean,
+        bn1_running_var, bn1_num_batches_tracked)       # BatchNormOp(momentum=0.1, eps=1e-05)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+aten = torch.ops.aten
+
+
+class CaptureError(RuntimeError):
+    """torch.export could not capture the model; the message names the model's source line."""
+
+
+class BatchNormOp(nn.Module):
+    """``aten.batch_norm`` with the mode read from this module (the stage's mode): batch
+    statistics in training mode or without running statistics; running statistics and
+    ``num_batches_tracked`` updated in training mode, as ``nn.BatchNorm2d`` does."""
+
+    def __init__(self, momentum: float, eps: float) -> None:
+        super().__init__()
+        self.momentum, self.eps = momentum, eps
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"momentum": self.momentum, "eps": self.eps}
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                num_batches_tracked: torch.Tensor | None = None) -> torch.Tensor:
+        batch_stats = self.training or running_mean is None
+        if self.training and num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
+        return F.batch_norm(x, running_mean, running_var, weight, bias, batch_stats,
+                            self.momentum, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"momentum={self.momentum}, eps={self.eps}"
+
+
+class DropoutOp(nn.Module):
+    """``aten.dropout`` (and its feature / alpha variants) active only in training mode."""
+
+    def __init__(self, p: float, kind: str = "dropout") -> None:
+        super().__init__()
+        self.p, self.kind = p, kind
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"p": self.p, "kind": self.kind}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fn = {"dropout": F.dropout, "feature_dropout": F.dropout2d,
+              "alpha_dropout": F.alpha_dropout}[self.kind]
+        return fn(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, {self.kind}"
+
+
+_DROPOUTS = {aten.dropout.default: "dropout", aten.feature_dropout.default: "feature_dropout",
+             aten.alpha_dropout.default: "alpha_dropout"}
+
+
+def where(n: fx.Node) -> str:
+    """Where ``n`` comes from in the user's code: 'module path (Class), file:line' as far as
+    known (export records both), or ''."""
+    parts = []
+    stack = n.meta.get("nn_module_stack")
+    if stack:
+        path, cls = list(stack.values())[-1]
+        cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+        if path:
+            parts.append(f"module {_pretty_path(path)!r} ({cls.rsplit('.', 1)[-1]})")
+    line = _last_frame(n.meta.get("stack_trace") or "")
+    if line:
+        parts.append(line)
+    return ", ".join(parts)
+
+
+def _pretty_path(path: str) -> str:
+    """export's module paths spell indices as ``layer1[0]`` or ``getattr(L['self'], ...)``
+    on some versions; give the dotted name a user would write."""
+    path = re.sub(r"L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return path.strip(".")
+
+
+def _last_frame(trace: str) -> str:
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    if not frames:
+        return ""
+    file, line = frames[-1]
+    return f"{_short_file(file)}:{line}"
+
+
+def _short_file(file: str) -> str:
+    m = re.search(r"site-packages/(.*)$", file)
+    return m.group(1) if m else file
+
+
+def capture(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
+    """``model`` captured by ``torch.export`` on a fake copy of ``example`` (a real, meta or
+    fake tensor: only its shape and dtype are read), normalised by :func:`normalize`."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    with mode:
+        fake = torch.empty(tuple(example.shape), dtype=example.dtype, device=device)
+        try:
+            ep = torch.export.export(model, (fake,), strict=False)
+        except Exception as e:  # noqa: BLE001 - re-raised with what to change
+            raise CaptureError(_explain(model, e)) from e
+    return normalize(ep.module(), type(model).__name__)
+
+
+def _explain(model: nn.Module, e: Exception) -> str:
+    text = str(e)
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.*)', text)
+    user = [f for f in frames if "/torch/" not in f[0]]
+    at = ""
+    if user:
+        file, line, fn, code = user[-1]
+        at = f" at {_short_file(file)}:{line} in {fn}: {code.strip()}"
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    data_dependent = any(k in text for k in ("data-dependent", "data dependent",
+                                             "GuardOnDataDependent", "DataDependent"))
+    hint = ("the model's Python branches on a tensor's *value* (not its shape), which has no "
+            "single graph: express the choice with tensor ops (torch.where, masks)"
+            if data_dependent else
+            "torch.export runs the model once on a fake input of the example's shape; check "
+            "that the model runs on a batch of that shape")
+    return (f"torch.export could not capture {type(model).__name__}{at}: "
+            f"{type(e).__name__}: {first}\n{hint}.")
+
+
+def normalize(exported: fx.GraphModule, class_name: str) -> fx.GraphModule:
+    """A plain ``fx.GraphModule`` (no pytree code generation, no export guard) over the same
+    tensors, with mode-dependent ops as :class:`BatchNormOp` / :class:`DropoutOp` modules."""
+    graph = exported.graph
+    for n in list(graph.nodes):
+        if n.op == "call_module" and str(n.target).startswith("_guards"):
+            graph.erase_node(n)
+    out = next(n for n in graph.nodes if n.op == "output")
+    codegen = graph._codegen
+    spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
+    flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    if spec is not None:
+        out.args = (pytree.tree_unflatten(flat, spec),)
+    graph._codegen = fx.graph.CodeGen()
+    gm = fx.GraphModule(exported, graph, class_name)
+    _mode_ops(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _mode_ops(gm: fx.GraphModule) -> None:
+    """Batch norm and dropout as modules that follow ``gm.train()`` / ``gm.eval()``."""
+    g = gm.graph
+    counters: dict[str, fx.Node] = {}  # owner path -> its num_batches_tracked get_attr
+    for n in list(g.nodes):
+        if n.op == "get_attr" and f".{n.target}".endswith(".num_batches_tracked"):
+            counters[str(n.target).rpartition(".")[0]] = n
+    count = 0
+    for n in list(g.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target is aten.add_.Tensor and isinstance(n.args[0], fx.Node) and \
+                n.args[0] in counters.values() and not n.users:
+            g.erase_node(n)  # BatchNormOp counts the batches itself
+            continue
+        if n.target in (aten.batch_norm.default, aten.instance_norm.default):
+            if n.target is aten.instance_norm.default:
+                continue  # handled by the norm rules (no mode-dependent counter)
+            x, w, b, rm, rv, _training, momentum, eps = (list(n.args) + [None] * 9)[:8]
+            owner = str(rm.target).rpartition(".")[0] if isinstance(rm, fx.Node) else None
+            nbt = counters.get(owner) if owner is not None else None
+            name = f"fxpar_bn_{count}"
+            count += 1
+            gm.add_submodule(name, BatchNormOp(float(momentum), float(eps)))
+            with g.inserting_before(n):
+                new = g.call_module(name, (x, w, b, rm, rv, nbt))
+            _swap(g, n, new)
+        elif n.target in _DROPOUTS:
+            p = float(n.args[1])
+            name = f"fxpar_dropout_{count}"
+            count += 1
+            gm.add_submodule(name, DropoutOp(p, _DROPOUTS[n.target]))
+            with g.inserting_before(n):
+                new = g.call_module(name, (n.args[0],))
+            _swap(g, n, new)
+    # a counter's get_attr now read by the BatchNormOp must come before it (export puts the
+    # get_attrs first, so it does); unused ones go
+    for n in counters.values():
+        if not n.users:
+            g.erase_node(n)
+
+
+def _swap(g: fx.Graph, old: fx.Node, new: fx.Node) -> None:
+    new.meta.update(old.meta)
+    old.replace_all_uses_with(new)
+    g.erase_node(old)

@@ -1,0 +1,196 @@
+"""How ATen ops (the graph ``torch.export`` captures, see fxpar.capture) run on tiles.
+
+The ATen ops that real CNNs use form a small closed set; each is one entry here, mapped to the
+op classes of fxpar.spatial.opclass (Pointwise, Window, BatchNorm, Mean). An op that is not
+listed returns None and ends the spatial region: it is never guessed at.
+
+Argument positions follow the ATen schemas (``torch.ops.aten.conv2d.default._schema``); a
+trailing argument left at its default is absent from ``node.args``, so every read goes through
+:func:`_arg` with the schema's default.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import fx
+
+from fxpar import meta
+from fxpar.capture import BatchNormOp, DropoutOp
+from fxpar.meta import TensorInfo
+from fxpar.spatial.opkind import BatchNorm, Mean, Op, Pointwise, Window
+
+aten = torch.ops.aten
+
+POINTWISE = {getattr(aten, name) for name in (
+    # activations and their in-place forms
+    "relu", "relu_", "relu6", "silu", "silu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "gelu",
+    "gelu_", "hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_", "hardtanh", "hardtanh_",
+    "leaky_relu", "leaky_relu_", "elu", "elu_", "mish", "mish_", "softplus", "prelu", "selu",
+    "selu_", "celu", "celu_", "log_sigmoid", "threshold", "threshold_",
+    # arithmetic
+    "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "neg", "abs", "exp", "log",
+    "sqrt", "rsqrt", "pow", "clamp", "clamp_", "clamp_min", "clamp_max", "reciprocal",
+    "maximum", "minimum", "where",
+    # copies and casts
+    "clone", "contiguous", "alias", "detach", "_to_copy", "to", "type_as",
+)}
+"""Ops whose output cell reads the same cell of each input (broadcasting allowed)."""
+
+
+def _arg(n: fx.Node, i: int, default: Any) -> Any:
+    """Argument ``i`` of ``n`` by its schema position (or its keyword), else ``default``."""
+    if len(n.args) > i:
+        return n.args[i]
+    target = n.target
+    if isinstance(target, torch._ops.OpOverload):
+        names = [a.name for a in target._schema.arguments]
+        if i < len(names) and names[i] in n.kwargs:
+            return n.kwargs[names[i]]
+    return default
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    v = list(v)
+    return (int(v[0]), int(v[-1])) if len(v) in (1, 2) else (int(v[-2]), int(v[-1]))
+
+
+def _shape(n: Any) -> tuple[int, ...] | None:
+    info = meta.find(n, TensorInfo) if isinstance(n, fx.Node) else None
+    return info.shape if info is not None and len(info.shapes) == 1 else None
+
+
+def classify_module(m: torch.nn.Module, path: str) -> Op | None:
+    """fxpar's own mode-following modules (fxpar.capture) in a captured graph."""
+    if isinstance(m, BatchNormOp):
+        return BatchNorm(path)
+    if isinstance(m, DropoutOp):
+        return Pointwise()
+    return None
+
+
+def classify_aten(n: fx.Node) -> Op | None:
+    """How the ATen op ``n`` runs on tiles, or None."""
+    f = n.target
+    if not isinstance(f, torch._ops.OpOverload):
+        return None
+    packet = f.overloadpacket
+    if packet in POINTWISE:
+        return Pointwise()
+    if packet is aten.cat:
+        return Pointwise() if _arg(n, 1, 0) in (0, 1, -3, -4) else None
+    if packet is aten.conv2d:
+        padding = _arg(n, 4, 0)
+        if isinstance(padding, str):
+            return None
+        w = _shape(n.args[1])
+        assert w is not None
+        return Window("conv", (w[2], w[3]), _pair(_arg(n, 3, 1)), _pair(padding),
+                      _pair(_arg(n, 5, 1)))
+    if packet is aten.convolution:
+        return _convolution(n)
+    if packet is aten.conv_transpose2d:
+        w = _shape(n.args[1])
+        assert w is not None
+        return _transposed((w[2], w[3]), _pair(_arg(n, 3, 1)), _pair(_arg(n, 4, 0)),
+                           _pair(_arg(n, 5, 0)), _pair(_arg(n, 7, 1)))
+    if packet is aten.max_pool2d:
+        k, s = _pair(_arg(n, 1, None)), _arg(n, 2, None)
+        return Window("maxpool", k, _pair(s) if s else k,
+                      _pair(_arg(n, 3, 0)), _pair(_arg(n, 4, 1)), fill=-math.inf,
+                      attrs=(("ceil_mode", bool(_arg(n, 5, False))),))
+    if packet is aten.avg_pool2d:
+        k, s = _pair(_arg(n, 1, None)), _arg(n, 2, None)
+        return Window("avgpool", k, _pair(s) if s else k,
+                      _pair(_arg(n, 3, 0)),
+                      attrs=(("ceil_mode", bool(_arg(n, 4, False))),
+                             ("count_include_pad", bool(_arg(n, 5, True))),
+                             ("divisor_override", _arg(n, 6, None))))
+    if packet in (aten.constant_pad_nd, aten.pad):
+        return _pad(n)
+    if packet in (aten.upsample_nearest2d, aten.upsample_bilinear2d):
+        return _upsample(n)
+    if packet is aten.adaptive_avg_pool2d:
+        return Mean(True) if _pair(_arg(n, 1, None)) == (1, 1) else None
+    if packet is aten.mean and f is aten.mean.dim:
+        dims = _arg(n, 1, None)
+        dims = [dims] if isinstance(dims, int) else list(dims or [])
+        if sorted(d % 4 for d in dims) == [2, 3]:
+            return Mean(bool(_arg(n, 2, False)))
+    return None
+
+
+def _convolution(n: fx.Node) -> Op | None:
+    w = _shape(n.args[1])
+    assert w is not None
+    if len(w) != 4:
+        return None
+    stride, padding, dilation = (_pair(_arg(n, i, 1 if i != 4 else 0)) for i in (3, 4, 5))
+    if not _arg(n, 6, False):
+        return Window("conv", (w[2], w[3]), stride, padding, dilation)
+    return _transposed((w[2], w[3]), stride, padding, _pair(_arg(n, 7, 0)), dilation)
+
+
+def _transposed(k: tuple[int, int], s: tuple[int, int], p: tuple[int, int],
+                output_padding: tuple[int, int], d: tuple[int, int]) -> Op | None:
+    if any(output_padding) or any(d[i] * (k[i] - 1) < s[i] - 1 for i in range(2)):
+        return None  # output rows no tap reaches: not handled
+    return Window("convT", k, s, p, d)
+
+
+def _pad(n: fx.Node) -> Op | None:
+    mode = _arg(n, 2, "constant") if n.target.overloadpacket is aten.pad else "constant"
+    if mode != "constant":
+        return None
+    pad = list(_arg(n, 1, []))
+    value = _arg(n, 3 if n.target.overloadpacket is aten.pad else 2, 0.0)
+    left, right, top, bottom = (pad + [0, 0, 0, 0])[:4]
+    if len(pad) > 4:
+        return None  # padding of the batch or channel dims
+    return Window("pad", (1, 1), (1, 1), (top, left), fill=float(value or 0.0),
+                  attrs=(("pad", (left, right, top, bottom)),))
+
+
+def _upsample(n: fx.Node) -> Op | None:
+    x, out = _shape(n.args[0]), _shape(n)
+    if x is None or out is None or len(x) != 4:
+        return None
+    factors = []
+    for i in (2, 3):
+        if out[i] % x[i]:
+            return None  # fractional scales: the source index map is not handled
+        factors.append(out[i] // x[i])
+    bilinear = n.target.overloadpacket is aten.upsample_bilinear2d
+    scales = _arg(n, 3 if bilinear else 2, None)
+    if scales is not None and any(float(v) != f for v, f in zip(scales, factors, strict=True)):
+        return None
+    if bilinear and _arg(n, 2, False):
+        return None  # align_corners=True: every output reads a different source grid
+    return Window("bilinear" if bilinear else "nearest", (1, 1), (factors[0], factors[1]),
+                  (0, 0))
+
+
+def why_not_aten(n: fx.Node) -> str:
+    """Why :func:`classify_aten` refuses ``n``, and what would let it run on tiles."""
+    f = n.target
+    name = str(getattr(f, "overloadpacket", f)).removeprefix("aten.")
+    if name == "cat":
+        return ("it concatenates along H or W (dim 2/3): tiles can only be concatenated along "
+                "the batch or channel dims")
+    if name in ("conv2d", "convolution") and isinstance(_arg(n, 4, 0), str):
+        return "padding given as a string ('same'): give the padding as numbers"
+    if name in ("adaptive_avg_pool2d", "adaptive_max_pool2d"):
+        return "only adaptive average pooling to 1x1 (a global mean) runs on tiles"
+    if name in ("pad", "constant_pad_nd", "reflection_pad2d", "replication_pad2d"):
+        return "only constant padding of H and W runs on tiles"
+    if name.startswith("upsample"):
+        return ("only nearest / bilinear (align_corners=False) upsampling by integer factors "
+                "runs on tiles")
+    if name in ("view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",
+                "linear", "matmul", "bmm", "slice", "select", "split", "expand", "unfold"):
+        return f"aten.{name} changes or indexes the H/W layout; fxpar only tiles known ops"
+    return f"fxpar has no tiling rule for aten.{name}, so it never guesses"

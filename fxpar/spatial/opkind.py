@@ -1,0 +1,71 @@
+"""The op classes of a spatial region: what the passes need to know about one op.
+
+Pointwise ops run on tiles as they are; windowed ops need a halo; BatchNorm needs global
+statistics; a global mean produces a replicated value. fxpar.spatial.opclass (module-level
+graphs) and fxpar.spatial.aten_ops (ATen graphs from torch.export) map nodes to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fxpar.spatial.geometry import (
+    Interval,
+    nearest_rows,
+    transposed_rows,
+    window_rows,
+)
+
+
+@dataclass(frozen=True)
+class Pointwise:
+    """Each output cell depends on the same cell of each input (broadcasting allowed)."""
+
+
+@dataclass(frozen=True)
+class Window:
+    """A windowed op. ``kind``: conv, maxpool, avgpool, pad, convT, nearest, bilinear.
+
+    Per dim (0 = H, 1 = W): kernel k, stride s, padding p (the leading side), dilation d.
+    """
+
+    kind: str
+    k: tuple[int, int]
+    s: tuple[int, int]
+    p: tuple[int, int]
+    d: tuple[int, int] = (1, 1)
+    fill: float = 0.0
+    attrs: tuple[tuple[str, Any], ...] = ()
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return dict(self.attrs).get(name, default)
+
+    def needs(self, out: Interval, dim: int) -> Interval:
+        """Input interval (global; may pass the borders) for output interval ``out``."""
+        k, s, p, d = self.k[dim], self.s[dim], self.p[dim], self.d[dim]
+        if self.kind == "convT":
+            return transposed_rows(out, k, s, p, d)
+        if self.kind == "nearest":
+            return nearest_rows(out, s)
+        if self.kind == "bilinear":  # one extra row each side: interpolation reads neighbours
+            lo, hi = nearest_rows(out, s)
+            return (lo - 1, hi + 1)
+        return window_rows(out, k, s, p, d)
+
+
+@dataclass(frozen=True)
+class BatchNorm:
+    """BatchNorm2d: global statistics over all tiles in training mode."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class Mean:
+    """Mean over H and W (global average pooling); the result is replicated."""
+
+    keepdim: bool
+
+
+Op = Pointwise | Window | BatchNorm | Mean
