@@ -52,12 +52,15 @@ class BatchNormOp(nn.Module):
     statistics in training mode or without running statistics; running statistics and
     ``num_batches_tracked`` updated in training mode, as ``nn.BatchNorm2d`` does."""
 
-    def __init__(self, momentum: float, eps: float) -> None:
+    def __init__(self, momentum: float, eps: float, owner: str = "") -> None:
         super().__init__()
         self.momentum, self.eps = momentum, eps
+        self.owner = owner
+        """The path of the module owning the running statistics (``layer1.0.bn1``); '' when
+        there are none."""
 
     def emit_args(self) -> dict[str, Any]:
-        return {"momentum": self.momentum, "eps": self.eps}
+        return {"momentum": self.momentum, "eps": self.eps, "owner": self.owner}
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
@@ -69,7 +72,7 @@ class BatchNormOp(nn.Module):
                             self.momentum, self.eps)
 
     def extra_repr(self) -> str:
-        return f"momentum={self.momentum}, eps={self.eps}"
+        return f"{self.owner or 'no running statistics'}: momentum={self.momentum}, eps={self.eps}"
 
 
 class DropoutOp(nn.Module):
@@ -211,7 +214,7 @@ def _mode_ops(gm: fx.GraphModule) -> None:
             nbt = counters.get(owner) if owner is not None else None
             name = f"fxpar_bn_{count}"
             count += 1
-            gm.add_submodule(name, BatchNormOp(float(momentum), float(eps)))
+            gm.add_submodule(name, BatchNormOp(float(momentum), float(eps), owner or ""))
             with g.inserting_before(n):
                 new = g.call_module(name, (x, w, b, rm, rv, nbt))
             _swap(g, n, new)

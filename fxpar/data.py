@@ -43,6 +43,8 @@ from fxpar import meta
 from fxpar.capture import BatchNormOp, DropoutOp
 from fxpar.meta import TensorInfo
 from fxpar.spatial.geometry import Rect
+from fxpar.spatial.interp import TileInterp
+from fxpar.spatial.norms import TileGroupNorm
 from fxpar.spatial.ops import (
     AvgDivisor,
     Halo,
@@ -76,8 +78,8 @@ class _HaloLeaves(fx.Tracer):
         super().__init__(autowrap_functions=(sync_batch_norm, spatial_mean))
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, (Halo, HaloOp, Join, AvgDivisor, TileBatchNorm, BatchNormOp,
-                              DropoutOp)) or \
+        return isinstance(m, (Halo, HaloOp, Join, AvgDivisor, TileBatchNorm, TileGroupNorm,
+                              TileInterp, BatchNormOp, DropoutOp)) or \
             super().is_leaf_module(m, qualname)
 
 

@@ -26,6 +26,7 @@ from fxpar.compiler import links_of
 from fxpar.passdriver import halo_note
 from fxpar.report import nbytes, op_name, shape_text
 from fxpar.simulate import SimResult, simulate
+from fxpar.spatial.norms import TileGroupNorm
 from fxpar.spatial.ops import (
     Halo,
     HaloOp,
@@ -69,7 +70,7 @@ def special_kind(gm: fx.GraphModule, n: fx.Node) -> str | None:
             return "halo"
         if isinstance(mod, Join):
             return "join"
-        if isinstance(mod, TileBatchNorm):
+        if isinstance(mod, (TileBatchNorm, TileGroupNorm)):
             return "sync"
     if n.target in (sync_batch_norm, spatial_mean):
         return "sync"

@@ -19,6 +19,7 @@ from torch import fx
 from fxpar import meta
 from fxpar.plan import Plan, PlanError
 from fxpar.report import node_table
+from fxpar.spatial.norms import TileGroupNorm
 from fxpar.spatial.ops import (
     Halo,
     HaloOp,
@@ -100,6 +101,8 @@ def halo_note(gm: fx.GraphModule, n: fx.Node) -> str:
             return f"join: gather {len(mod.rects)} tiles"
         if isinstance(mod, TileBatchNorm):
             return "BatchNorm statistics: allreduce over tiles"
+        if isinstance(mod, TileGroupNorm):
+            return "GroupNorm statistics: allreduce over tiles"
     if n.target is sync_batch_norm:
         return "BatchNorm statistics: allreduce over tiles"
     if n.target is spatial_mean:

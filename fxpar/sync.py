@@ -28,7 +28,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fxpar.capture import BatchNormOp
 from fxpar.comm import Comm
+from fxpar.spatial.ops import TileBatchNorm
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:
@@ -44,6 +46,34 @@ def _total(slot: tuple[nn.Parameter, ...]) -> torch.Tensor:
     for p in slot[2:]:
         total += _grad(p)
     return total
+
+
+@dataclass(frozen=True)
+class RunningStats:
+    """One batch norm's running statistics (the tensors themselves) and its momentum."""
+
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    num_batches_tracked: torch.Tensor | None
+    momentum: float | None
+
+
+def running_stats(module: nn.Module) -> list[tuple[str, RunningStats]]:
+    """The batch norms of ``module`` that keep running statistics, by name: BatchNorm layers
+    of a module-level graph, and the BatchNormOp / TileBatchNorm calls of a captured one
+    (named after the owner of their buffers, ``layer1.0.bn1``, each once)."""
+    out = [(n, RunningStats(b.running_mean, b.running_var, b.num_batches_tracked, b.momentum))
+           for n, b in module.named_modules()
+           if isinstance(b, nn.modules.batchnorm._BatchNorm) and b.track_running_stats
+           and b.running_mean is not None]
+    named = dict(out)
+    for m in module.modules():  # a tile module may keep its stage's BatchNormOp unused
+        if isinstance(m, (BatchNormOp, TileBatchNorm)) and m.owner and m.owner not in named:
+            owner = module.get_submodule(m.owner)
+            named[m.owner] = RunningStats(owner.running_mean, owner.running_var,
+                                          getattr(owner, "num_batches_tracked", None),
+                                          m.momentum)
+    return list(named.items())
 
 
 @dataclass
@@ -157,10 +187,8 @@ class StageSync:
                 offset += n
         self.pending = []
 
-    def _bns(self, m: Member) -> list[tuple[str, nn.modules.batchnorm._BatchNorm]]:
-        return [(n, b) for n, b in m.module.named_modules()
-                if isinstance(b, nn.modules.batchnorm._BatchNorm) and b.track_running_stats
-                and b.running_mean is not None]
+    def _bns(self, m: Member) -> list[tuple[str, RunningStats]]:
+        return running_stats(m.module)
 
     def begin(self) -> None:
         """Remember the running statistics at the start of the step."""

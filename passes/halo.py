@@ -29,8 +29,11 @@ from torch import fx
 from fxpar import meta
 from fxpar.capture import BatchNormOp
 from fxpar.meta import TensorInfo
+from fxpar.spatial.aten_ops import arg
 from fxpar.spatial.geometry import Exchange, Grid, Rect, avg_counts, exchange
-from fxpar.spatial.opclass import BatchNorm, Mean, Pointwise, Window, classify
+from fxpar.spatial.interp import TileInterp
+from fxpar.spatial.norms import TileGroupNorm
+from fxpar.spatial.opclass import BatchNorm, Mean, Norm, Pointwise, Window, classify
 from fxpar.spatial.ops import (
     AvgDivisor,
     Halo,
@@ -100,7 +103,7 @@ def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
     for u in range(ctx.grid.size):
         r = ctx.grid.tile_rect(out_ext, u)
         need = Rect(op.needs(r.h, 0), op.needs(r.w, 1))
-        if op.kind == "bilinear":  # the border rows repeat (clamp): never fill past the image
+        if op.kind in ("bilinear", "interp"):  # border rows repeat (clamp): no fill past it
             need = need.intersect(image) or need
         needs.append(need)
     own = ctx.grid.tile_rect(out_ext, ctx.tile)
@@ -184,6 +187,9 @@ def _tile_op(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect, need: R
     s, d = op.s, op.d
     if op.kind == "pad":
         return win
+    if op.kind == "interp":
+        interp = TileInterp(op.attr("maps"), own.h, own.w, (need.h[0], need.w[0]))
+        return g.call_module(ctx.add("interp", interp), (win,))
     if op.kind == "convT":
         m, w, b = _weights(ctx, n)
         groups = m["groups"] if isinstance(m, dict) else m.groups
@@ -215,12 +221,24 @@ def _as_tile(ctx: _Ctx, n: fx.Node, a: Any) -> Any:
     return a  # broadcast (e.g. a squeeze-excite scale of shape N x C x 1 x 1)
 
 
+def _tile_norm(ctx: _Ctx, n: fx.Node, op: Norm) -> None:
+    """Group / instance norm -> TileGroupNorm (per-sample statistics over all tiles)."""
+    shape = _shape(n)
+    count = shape[1] // op.groups * shape[2] * shape[3]
+    name = ctx.add("groupnorm", TileGroupNorm(op.groups, op.eps, ctx.key, count))
+    args = [_as_tile(ctx, n, n.args[0])]
+    args += [arg(n, i, None) for i in (op.weight, op.bias)]
+    with ctx.gm.graph.inserting_before(n):
+        new = ctx.gm.graph.call_module(name, tuple(args))
+    _replace(ctx.gm.graph, n, new)
+
+
 def _tile_batch_norm(ctx: _Ctx, n: fx.Node) -> None:
     """A captured graph's BatchNormOp -> TileBatchNorm (global statistics over the tiles)."""
     bn = ctx.gm.get_submodule(str(n.target))
     shape = _shape(n)
-    name = ctx.add("syncbn", TileBatchNorm(ctx.key, shape[0] * shape[2] * shape[3], bn.momentum,
-                                       bn.eps))
+    name = ctx.add("syncbn", TileBatchNorm(ctx.key, shape[0] * shape[2] * shape[3],
+                                           bn.momentum, bn.eps, bn.owner))
     x = _as_tile(ctx, n, n.args[0])  # the input image is whole: my tile
     with ctx.gm.graph.inserting_before(n):
         new = ctx.gm.graph.call_module(name, (x, *n.args[1:]))
@@ -250,6 +268,8 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
             elif isinstance(op, Pointwise):
                 # nested too: the operands of a cat come as one list
                 n.args = fx.node.map_arg(n.args, lambda a, n=n: _as_tile(ctx, n, a))
+            elif isinstance(op, Norm):
+                _tile_norm(ctx, n, op)
             elif isinstance(op, BatchNorm) and n.op == "call_module" and \
                     isinstance(gm.get_submodule(str(n.target)), BatchNormOp):
                 _tile_batch_norm(ctx, n)

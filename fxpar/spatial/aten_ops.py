@@ -20,7 +20,8 @@ from torch import fx
 from fxpar import meta
 from fxpar.capture import BatchNormOp, DropoutOp
 from fxpar.meta import TensorInfo
-from fxpar.spatial.opkind import BatchNorm, Mean, Op, Pointwise, Window
+from fxpar.spatial.interp import AxisMap
+from fxpar.spatial.opkind import BatchNorm, Mean, Norm, Op, Pointwise, Window
 
 aten = torch.ops.aten
 
@@ -40,7 +41,7 @@ POINTWISE = {getattr(aten, name) for name in (
 """Ops whose output cell reads the same cell of each input (broadcasting allowed)."""
 
 
-def _arg(n: fx.Node, i: int, default: Any) -> Any:
+def arg(n: fx.Node, i: int, default: Any) -> Any:
     """Argument ``i`` of ``n`` by its schema position (or its keyword), else ``default``."""
     if len(n.args) > i:
         return n.args[i]
@@ -82,45 +83,52 @@ def classify_aten(n: fx.Node) -> Op | None:
     if packet in POINTWISE:
         return Pointwise()
     if packet is aten.cat:
-        return Pointwise() if _arg(n, 1, 0) in (0, 1, -3, -4) else None
+        return Pointwise() if arg(n, 1, 0) in (0, 1, -3, -4) else None
     if packet is aten.conv2d:
-        padding = _arg(n, 4, 0)
+        padding = arg(n, 4, 0)
         if isinstance(padding, str):
             return None
         w = _shape(n.args[1])
         assert w is not None
-        return Window("conv", (w[2], w[3]), _pair(_arg(n, 3, 1)), _pair(padding),
-                      _pair(_arg(n, 5, 1)))
+        return Window("conv", (w[2], w[3]), _pair(arg(n, 3, 1)), _pair(padding),
+                      _pair(arg(n, 5, 1)))
     if packet is aten.convolution:
         return _convolution(n)
     if packet is aten.conv_transpose2d:
         w = _shape(n.args[1])
         assert w is not None
-        return _transposed((w[2], w[3]), _pair(_arg(n, 3, 1)), _pair(_arg(n, 4, 0)),
-                           _pair(_arg(n, 5, 0)), _pair(_arg(n, 7, 1)))
+        return _transposed((w[2], w[3]), _pair(arg(n, 3, 1)), _pair(arg(n, 4, 0)),
+                           _pair(arg(n, 5, 0)), _pair(arg(n, 7, 1)))
     if packet is aten.max_pool2d:
-        k, s = _pair(_arg(n, 1, None)), _arg(n, 2, None)
+        k, s = _pair(arg(n, 1, None)), arg(n, 2, None)
         return Window("maxpool", k, _pair(s) if s else k,
-                      _pair(_arg(n, 3, 0)), _pair(_arg(n, 4, 1)), fill=-math.inf,
-                      attrs=(("ceil_mode", bool(_arg(n, 5, False))),))
+                      _pair(arg(n, 3, 0)), _pair(arg(n, 4, 1)), fill=-math.inf,
+                      attrs=(("ceil_mode", bool(arg(n, 5, False))),))
     if packet is aten.avg_pool2d:
-        k, s = _pair(_arg(n, 1, None)), _arg(n, 2, None)
+        k, s = _pair(arg(n, 1, None)), arg(n, 2, None)
         return Window("avgpool", k, _pair(s) if s else k,
-                      _pair(_arg(n, 3, 0)),
-                      attrs=(("ceil_mode", bool(_arg(n, 4, False))),
-                             ("count_include_pad", bool(_arg(n, 5, True))),
-                             ("divisor_override", _arg(n, 6, None))))
+                      _pair(arg(n, 3, 0)),
+                      attrs=(("ceil_mode", bool(arg(n, 4, False))),
+                             ("count_include_pad", bool(arg(n, 5, True))),
+                             ("divisor_override", arg(n, 6, None))))
     if packet in (aten.constant_pad_nd, aten.pad):
         return _pad(n)
     if packet in (aten.upsample_nearest2d, aten.upsample_bilinear2d):
         return _upsample(n)
+    if packet is aten.group_norm:
+        return Norm(int(arg(n, 1, 1)), float(arg(n, 4, 1e-5)), 2, 3)
+    if packet is aten.instance_norm:
+        x = _shape(n.args[0])
+        if x is None or arg(n, 3, None) is not None or not arg(n, 5, True):
+            return None  # running statistics: mode-dependent, not handled on tiles
+        return Norm(x[1], float(arg(n, 7, 1e-5)), 1, 2)
     if packet is aten.adaptive_avg_pool2d:
-        return Mean(True) if _pair(_arg(n, 1, None)) == (1, 1) else None
+        return Mean(True) if _pair(arg(n, 1, None)) == (1, 1) else None
     if packet is aten.mean and f is aten.mean.dim:
-        dims = _arg(n, 1, None)
+        dims = arg(n, 1, None)
         dims = [dims] if isinstance(dims, int) else list(dims or [])
         if sorted(d % 4 for d in dims) == [2, 3]:
-            return Mean(bool(_arg(n, 2, False)))
+            return Mean(bool(arg(n, 2, False)))
     return None
 
 
@@ -129,25 +137,28 @@ def _convolution(n: fx.Node) -> Op | None:
     assert w is not None
     if len(w) != 4:
         return None
-    stride, padding, dilation = (_pair(_arg(n, i, 1 if i != 4 else 0)) for i in (3, 4, 5))
-    if not _arg(n, 6, False):
+    stride, padding, dilation = (_pair(arg(n, i, 1 if i != 4 else 0)) for i in (3, 4, 5))
+    if not arg(n, 6, False):
         return Window("conv", (w[2], w[3]), stride, padding, dilation)
-    return _transposed((w[2], w[3]), stride, padding, _pair(_arg(n, 7, 0)), dilation)
+    return _transposed((w[2], w[3]), stride, padding, _pair(arg(n, 7, 0)), dilation)
 
 
 def _transposed(k: tuple[int, int], s: tuple[int, int], p: tuple[int, int],
                 output_padding: tuple[int, int], d: tuple[int, int]) -> Op | None:
-    if any(output_padding) or any(d[i] * (k[i] - 1) < s[i] - 1 for i in range(2)):
+    if any(d[i] * (k[i] - 1) < s[i] - 1 for i in range(2)):
         return None  # output rows no tap reaches: not handled
-    return Window("convT", k, s, p, d)
+    # output_padding only lengthens the output; its rows read the zero fill past the border
+    return Window("convT", k, s, p, d, attrs=(("output_padding", output_padding),))
 
 
 def _pad(n: fx.Node) -> Op | None:
-    mode = _arg(n, 2, "constant") if n.target.overloadpacket is aten.pad else "constant"
+    mode = arg(n, 2, "constant") if n.target.overloadpacket is aten.pad else "constant"
+    pad = list(arg(n, 1, []))
+    if not any(pad):
+        return Pointwise()  # padding by nothing (MONAI's UpCat when the sizes already match)
     if mode != "constant":
         return None
-    pad = list(_arg(n, 1, []))
-    value = _arg(n, 3 if n.target.overloadpacket is aten.pad else 2, 0.0)
+    value = arg(n, 3 if n.target.overloadpacket is aten.pad else 2, 0.0)
     left, right, top, bottom = (pad + [0, 0, 0, 0])[:4]
     if len(pad) > 4:
         return None  # padding of the batch or channel dims
@@ -159,19 +170,18 @@ def _upsample(n: fx.Node) -> Op | None:
     x, out = _shape(n.args[0]), _shape(n)
     if x is None or out is None or len(x) != 4:
         return None
-    factors = []
-    for i in (2, 3):
-        if out[i] % x[i]:
-            return None  # fractional scales: the source index map is not handled
-        factors.append(out[i] // x[i])
     bilinear = n.target.overloadpacket is aten.upsample_bilinear2d
-    scales = _arg(n, 3 if bilinear else 2, None)
-    if scales is not None and any(float(v) != f for v, f in zip(scales, factors, strict=True)):
-        return None
-    if bilinear and _arg(n, 2, False):
-        return None  # align_corners=True: every output reads a different source grid
-    return Window("bilinear" if bilinear else "nearest", (1, 1), (factors[0], factors[1]),
-                  (0, 0))
+    mode = "bilinear" if bilinear else "nearest"
+    corners = bool(arg(n, 2, False)) if bilinear else False
+    if n.target in (aten.upsample_bilinear2d.vec, aten.upsample_nearest2d.vec):
+        scales = arg(n, 3 if bilinear else 2, None)
+        scales = list(scales) if scales is not None else [None, None]
+    else:  # .default: separate scales_h, scales_w
+        first = 3 if bilinear else 2
+        scales = [arg(n, first, None), arg(n, first + 1, None)]
+    maps = tuple(AxisMap(mode, corners, x[i], out[i], None if f is None else float(f))
+                 for i, f in zip((2, 3), scales, strict=True))
+    return Window("interp", (1, 1), (1, 1), (0, 0), attrs=(("maps", maps),))
 
 
 def why_not_aten(n: fx.Node) -> str:
@@ -181,15 +191,17 @@ def why_not_aten(n: fx.Node) -> str:
     if name == "cat":
         return ("it concatenates along H or W (dim 2/3): tiles can only be concatenated along "
                 "the batch or channel dims")
-    if name in ("conv2d", "convolution") and isinstance(_arg(n, 4, 0), str):
+    if name in ("conv2d", "convolution") and isinstance(arg(n, 4, 0), str):
         return "padding given as a string ('same'): give the padding as numbers"
+    if name == "instance_norm":
+        return ("instance norm with running statistics (track_running_stats=True) is not "
+                "tiled; without them it is")
     if name in ("adaptive_avg_pool2d", "adaptive_max_pool2d"):
         return "only adaptive average pooling to 1x1 (a global mean) runs on tiles"
     if name in ("pad", "constant_pad_nd", "reflection_pad2d", "replication_pad2d"):
         return "only constant padding of H and W runs on tiles"
     if name.startswith("upsample"):
-        return ("only nearest / bilinear (align_corners=False) upsampling by integer factors "
-                "runs on tiles")
+        return "only nearest and bilinear interpolation of H and W run on tiles"
     if name in ("view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",
                 "linear", "matmul", "bmm", "slice", "select", "split", "expand", "unfold"):
         return f"aten.{name} changes or indexes the H/W layout; fxpar only tiles known ops"

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxpar.spatial import aten_ops
-from fxpar.spatial.opkind import BatchNorm, Mean, Op, Pointwise, Window
+from fxpar.spatial.opkind import BatchNorm, Mean, Norm, Op, Pointwise, Window
 
-__all__ = ["BatchNorm", "Mean", "Op", "Pointwise", "Window", "classify", "why_not"]
+__all__ = ["BatchNorm", "Mean", "Norm", "Op", "Pointwise", "Window", "classify", "why_not"]
 
 _POINTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Sigmoid,
                       nn.Tanh, nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Identity, nn.Softplus,

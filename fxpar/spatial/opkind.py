@@ -25,7 +25,8 @@ class Pointwise:
 
 @dataclass(frozen=True)
 class Window:
-    """A windowed op. ``kind``: conv, maxpool, avgpool, pad, convT, nearest, bilinear.
+    """A windowed op. ``kind``: conv, maxpool, avgpool, pad, convT, nearest, bilinear, interp
+    (any interpolation: its index map per dim is ``attr("maps")``).
 
     Per dim (0 = H, 1 = W): kernel k, stride s, padding p (the leading side), dilation d.
     """
@@ -44,6 +45,8 @@ class Window:
     def needs(self, out: Interval, dim: int) -> Interval:
         """Input interval (global; may pass the borders) for output interval ``out``."""
         k, s, p, d = self.k[dim], self.s[dim], self.p[dim], self.d[dim]
+        if self.kind == "interp":  # fxpar.spatial.interp.AxisMap per dim
+            return self.attr("maps")[dim].needs(out)
         if self.kind == "convT":
             return transposed_rows(out, k, s, p, d)
         if self.kind == "nearest":
@@ -68,4 +71,15 @@ class Mean:
     keepdim: bool
 
 
-Op = Pointwise | Window | BatchNorm | Mean
+@dataclass(frozen=True)
+class Norm:
+    """Group norm (instance norm: one channel per group) with per-sample statistics over all
+    tiles; ``weight`` and ``bias`` are the argument positions of the affine parameters."""
+
+    groups: int
+    eps: float
+    weight: int
+    bias: int
+
+
+Op = Pointwise | Window | BatchNorm | Mean | Norm

@@ -441,13 +441,15 @@ class TileBatchNorm(nn.Module):
     """fxpar.capture.BatchNormOp on a tile: global statistics over the tile group ``key``
     (``count`` = N*H*W values per channel), in the mode of the module that holds it."""
 
-    def __init__(self, key: str, count: int, momentum: float, eps: float) -> None:
+    def __init__(self, key: str, count: int, momentum: float, eps: float,
+                 owner: str = "") -> None:
         super().__init__()
         self.key, self.count, self.momentum, self.eps = key, count, momentum, eps
+        self.owner = owner  # as BatchNormOp.owner
 
     def emit_args(self) -> dict[str, Any]:
         return {"key": self.key, "count": self.count, "momentum": self.momentum,
-                "eps": self.eps}
+                "eps": self.eps, "owner": self.owner}
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None,

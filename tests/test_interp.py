@@ -1,0 +1,60 @@
+"""Interpolation on tiles (fxpar.spatial.interp): every tile's rows, gathered from the window
+its index map asks for, equal the same rows of one device's F.interpolate, for nearest and
+bilinear (both align_corners), integer and fractional scales and target sizes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fxpar.spatial.geometry import tile
+from fxpar.spatial.interp import AxisMap, TileInterp
+
+CASES = [  # (in H, in W), interpolate kwargs
+    ((5, 7), {"scale_factor": 2}),
+    ((5, 7), {"scale_factor": 3}),
+    ((6, 5), {"scale_factor": 1.5}),
+    ((9, 4), {"size": (13, 11)}),
+    ((8, 8), {"size": (5, 3)}),
+    ((7, 6), {"scale_factor": 0.5}),
+]
+MODES = [("nearest", None), ("bilinear", False), ("bilinear", True)]
+
+
+def _maps(x, y, mode, corners, kw):
+    sf = kw.get("scale_factor")
+    return tuple(AxisMap(mode, bool(corners), x.shape[d], y.shape[d],
+                         None if sf is None else float(sf)) for d in (2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("size", "kw"), CASES)
+@pytest.mark.parametrize(("mode", "corners"), MODES)
+def test_tile_rows_equal_one_device(size, kw, mode, corners, dtype):
+    x = torch.randn(2, 3, *size, dtype=dtype)
+    y = F.interpolate(x, mode=mode, align_corners=corners, **kw)
+    maps = _maps(x, y, mode, corners, kw)
+    for parts_h, parts_w in ((1, 2), (3, 1), (2, 2)):
+        for a, b in itertools.product(range(parts_h), range(parts_w)):
+            rows, cols = tile(y.shape[2], parts_h, a), tile(y.shape[3], parts_w, b)
+            if rows[0] == rows[1] or cols[0] == cols[1]:
+                continue
+            nh, nw = maps[0].needs(rows), maps[1].needs(cols)
+            assert 0 <= nh[0] < nh[1] <= x.shape[2] and 0 <= nw[0] < nw[1] <= x.shape[3]
+            window = x[:, :, nh[0]:nh[1], nw[0]:nw[1]]
+            got = TileInterp(maps, rows, cols, (nh[0], nw[0]))(window)
+            want = y[:, :, rows[0]:rows[1], cols[0]:cols[1]]
+            tol = 1e-12 if dtype == torch.float64 else 1e-5
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_a_wrong_index_map_is_caught():
+    """The comparison above fails for a map that is off by half a pixel."""
+    x = torch.randn(1, 1, 6, 6, dtype=torch.float64)
+    y = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+    maps = (AxisMap("bilinear", True, 6, 12, 2.0), AxisMap("bilinear", True, 6, 12, 2.0))
+    got = TileInterp(maps, (0, 12), (0, 12), (0, 0))(x)
+    assert not torch.allclose(got, y)
