@@ -31,7 +31,13 @@ after::
 
 from __future__ import annotations
 
+import contextlib
+import io
+import linecache
+import logging
+import os
 import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,8 +49,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 aten = torch.ops.aten
 
 
-class CaptureError(RuntimeError):
-    """torch.export could not capture the model; the message names the model's source line."""
+class TraceError(RuntimeError):
+    """The model cannot be captured (torch.export) or traced (torch.fx); the message names the
+    model's source line and what to change."""
 
 
 class BatchNormOp(nn.Module):
@@ -55,6 +62,7 @@ class BatchNormOp(nn.Module):
     def __init__(self, momentum: float, eps: float, owner: str = "") -> None:
         super().__init__()
         self.momentum, self.eps = momentum, eps
+        self.captured_training = True
         self.owner = owner
         """The path of the module owning the running statistics (``layer1.0.bn1``); '' when
         there are none."""
@@ -81,6 +89,7 @@ class DropoutOp(nn.Module):
     def __init__(self, p: float, kind: str = "dropout") -> None:
         super().__init__()
         self.p, self.kind = p, kind
+        self.captured_training = True
 
     def emit_args(self) -> dict[str, Any]:
         return {"p": self.p, "kind": self.kind}
@@ -107,14 +116,14 @@ def where(n: fx.Node) -> str:
         path, cls = list(stack.values())[-1]
         cls = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
         if path:
-            parts.append(f"module {_pretty_path(path)!r} ({cls.rsplit('.', 1)[-1]})")
+            parts.append(f"module {pretty_path(path)!r} ({cls.rsplit('.', 1)[-1]})")
     line = _last_frame(n.meta.get("stack_trace") or "")
     if line:
         parts.append(line)
     return ", ".join(parts)
 
 
-def _pretty_path(path: str) -> str:
+def pretty_path(path: str) -> str:
     """export's module paths spell indices as ``layer1[0]`` or ``getattr(L['self'], ...)``
     on some versions; give the dotted name a user would write."""
     path = re.sub(r"L\['self'\]\.?", "", path)
@@ -124,9 +133,10 @@ def _pretty_path(path: str) -> str:
 
 def _last_frame(trace: str) -> str:
     frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    outside = [f for f in frames if "/torch/" not in f[0]]  # the model's line, not torch's
     if not frames:
         return ""
-    file, line = frames[-1]
+    file, line = (outside or frames)[-1]
     return f"{_short_file(file)}:{line}"
 
 
@@ -141,32 +151,79 @@ def capture(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
-    with mode:
-        fake = torch.empty(tuple(example.shape), dtype=example.dtype, device=device)
-        try:
+    running: list[str] = []  # the modules whose forward is running, outermost first
+
+    def enter(name: str) -> Callable[..., None]:
+        return lambda *_: running.append(name)  # a pre-hook returning None changes nothing
+
+    def leave(*_: Any) -> None:
+        running.pop()
+
+    hooks = [h for name, m in model.named_modules() if name
+             for h in (m.register_forward_pre_hook(enter(name)),
+                       m.register_forward_hook(leave))]
+    try:
+        with mode, _quiet_torch_logs(), contextlib.redirect_stderr(io.StringIO()):
+            fake = torch.empty(tuple(example.shape), dtype=example.dtype, device=device)
             ep = torch.export.export(model, (fake,), strict=False)
-        except Exception as e:  # noqa: BLE001 - re-raised with what to change
-            raise CaptureError(_explain(model, e)) from e
-    return normalize(ep.module(), type(model).__name__)
+    except Exception as e:  # noqa: BLE001 - re-raised with what to change
+        inner = running[-1] if running else ""
+        what = f" in module {inner!r} ({type(model.get_submodule(inner)).__name__})" \
+            if inner else ""
+        raise TraceError(_explain(model, e, what)) from e
+    finally:
+        for h in hooks:
+            h.remove()
+    gm = normalize(ep.module(), type(model).__name__)
+    gm.train(model.training)
+    for m in gm.modules():  # the mode each op was captured in (a frozen BatchNorm stays so)
+        if isinstance(m, (BatchNormOp, DropoutOp)):
+            m.train(m.captured_training)
+    return gm
 
 
-def _explain(model: nn.Module, e: Exception) -> str:
+_NOISY = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",
+          "torch._export", "torch.export", "torch._dynamo")
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch logs a failed capture's traceback and graph itself; the TraceError says it
+    better, so those loggers are silenced while capturing (and restored after)."""
+    loggers = [logging.getLogger(name) for name in _NOISY]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _explain(model: nn.Module, e: Exception, module: str = "") -> str:
     text = str(e)
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.*)', text)
-    user = [f for f in frames if "/torch/" not in f[0]]
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', text)
+    user = [f for f in frames if "/torch/" not in f[0] and os.path.exists(f[0])]
     at = ""
     if user:
-        file, line, fn, code = user[-1]
-        at = f" at {_short_file(file)}:{line} in {fn}: {code.strip()}"
+        file, line, fn = user[-1]
+        code = linecache.getline(file, int(line)).strip()
+        at = f" at {_short_file(file)}:{line} in {fn}" + (f": {code}" if code else "")
     first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
     data_dependent = any(k in text for k in ("data-dependent", "data dependent",
                                              "GuardOnDataDependent", "DataDependent"))
-    hint = ("the model's Python branches on a tensor's *value* (not its shape), which has no "
-            "single graph: express the choice with tensor ops (torch.where, masks)"
-            if data_dependent else
-            "torch.export runs the model once on a fake input of the example's shape; check "
-            "that the model runs on a batch of that shape")
-    return (f"torch.export could not capture {type(model).__name__}{at}: "
+    too_small = any(k in text for k in ("too small", "can't be greater", "must be greater"))
+    if data_dependent:
+        hint = ("the model's Python branches on a tensor's *value* (not its shape), which has "
+                "no single graph: express the choice with tensor ops (torch.where, masks)")
+    elif too_small:
+        hint = ("is the image large enough for every stride and pooling window? Use a larger "
+                "example input (image size)")
+    else:
+        hint = ("torch.export runs the model once on a fake input of the example's shape; "
+                "check that the model runs on a batch of that shape")
+    return (f"torch.export could not capture {type(model).__name__}{module}{at}: "
             f"{type(e).__name__}: {first}\n{hint}.")
 
 
@@ -209,12 +266,14 @@ def _mode_ops(gm: fx.GraphModule) -> None:
         if n.target in (aten.batch_norm.default, aten.instance_norm.default):
             if n.target is aten.instance_norm.default:
                 continue  # handled by the norm rules (no mode-dependent counter)
-            x, w, b, rm, rv, _training, momentum, eps = (list(n.args) + [None] * 9)[:8]
+            x, w, b, rm, rv, training, momentum, eps = (list(n.args) + [None] * 9)[:8]
             owner = str(rm.target).rpartition(".")[0] if isinstance(rm, fx.Node) else None
             nbt = counters.get(owner) if owner is not None else None
             name = f"fxpar_bn_{count}"
             count += 1
-            gm.add_submodule(name, BatchNormOp(float(momentum), float(eps), owner or ""))
+            op = BatchNormOp(float(momentum), float(eps), owner or "")
+            op.captured_training = bool(training)
+            gm.add_submodule(name, op)
             with g.inserting_before(n):
                 new = g.call_module(name, (x, w, b, rm, rv, nbt))
             _swap(g, n, new)
@@ -222,7 +281,9 @@ def _mode_ops(gm: fx.GraphModule) -> None:
             p = float(n.args[1])
             name = f"fxpar_dropout_{count}"
             count += 1
-            gm.add_submodule(name, DropoutOp(p, _DROPOUTS[n.target]))
+            drop = DropoutOp(p, _DROPOUTS[n.target])
+            drop.captured_training = bool(n.args[2]) if len(n.args) > 2 else True
+            gm.add_submodule(name, drop)
             with g.inserting_before(n):
                 new = g.call_module(name, (n.args[0],))
             _swap(g, n, new)

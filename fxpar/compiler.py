@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -13,7 +14,7 @@ from fxpar import meta
 from fxpar.materialize import InitFn, meta_model_of
 from fxpar.meta import TensorInfo
 from fxpar.passdriver import run_passes
-from fxpar.plan import Plan, RankMap
+from fxpar.plan import Plan, PlanError, RankMap
 from fxpar.program import OptimizerFactory, Program, SpatialInfo
 from fxpar.runtime import LossFn
 from fxpar.schedule import Links, Schedule, pipeline, place
@@ -24,7 +25,7 @@ from fxpar.stages import StageGraph, build_stages
 from fxpar.trace import check_model, trace
 from passes.halo import tile_stage
 from passes.mirror import chunks_per_copy, stage_groups
-from passes.spatial_region import SpatialLayout, limit_region, spatial_region
+from passes.spatial_region import Coverage, SpatialLayout, limit_region, spatial_region
 from passes.split_stages import model_output, split_stages
 
 PASSES = [("spatial_region", spatial_region), ("split_stages", split_stages),
@@ -45,6 +46,28 @@ def tile_stages(gm: fx.GraphModule, graph: StageGraph, plan: Plan) -> SpatialInf
     out_tiled = lay is not None and lay.tiled
     shape = meta.get(out, TensorInfo).shape if out_tiled else (0, 0, 0, 0)
     return SpatialInfo(build, grid, plan.spatial_stages, out_tiled, (shape[2], shape[3]))
+
+
+COVERAGE_WARN = 0.9
+"""A spatial plan whose region runs less than this share of the forward FLOPs on image
+tensors warns (raises with ``Plan(strict=True)``)."""
+
+
+class CoverageWarning(UserWarning):
+    """A spatial plan that spreads less of the model's work over the tiles than it could."""
+
+
+def check_coverage(gm: fx.GraphModule, plan: Plan) -> None:
+    """Warn (or, with ``plan.strict``, raise) when the spatial region covers too little."""
+    cov = gm.meta.get(Coverage.KEY)
+    if not plan.spatial or cov is None or cov.share >= COVERAGE_WARN:
+        return
+    msg = (f"the spatial region runs only {cov.share:.0%} of the forward FLOPs on image "
+           f"tensors on tiles (the rest runs whole on every rank of the spatial stage): "
+           f"{cov.ended or 'it ends early'}")
+    if plan.strict:
+        raise PlanError(msg + " (Plan(strict=True); strict=False makes this a warning)")
+    warnings.warn(msg, CoverageWarning, stacklevel=3)
 
 
 def example_shape(example: torch.Tensor | Sequence[int] | None) -> tuple[int, ...]:
@@ -134,6 +157,7 @@ def compile(  # noqa: A001 - the public name the design fixes
                               dtype=next((p.dtype for p in model.parameters()), torch.float32))
     gm = trace(model, example, leaf_modules=leaf_modules)  # shapes are per micro-batch
     gm = run_passes(gm, plan, PASSES, after=after_pass)
+    check_coverage(gm, plan)
     graph = build_stages(gm)
     rank_map = RankMap(plan)
     schedule = rank_schedules(rank_map, links_of(graph))

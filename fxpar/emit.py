@@ -43,6 +43,7 @@ from fxpar.loader import FORMAT, load, rank_folder, read_program, stage_folder
 from fxpar.meta import TensorInfo
 from fxpar.plan import PlanError
 from fxpar.program import Program
+from fxpar.report import module_path
 
 __all__ = ["load", "program_json", "put", "rank_sources", "read_program", "save",
            "stage_source"]
@@ -207,11 +208,24 @@ def _get(root: nn.Module, path: str) -> Any:
     return obj
 
 
+def _annotated(gm: fx.GraphModule, body: str) -> str:
+    """Each op line of the generated forward with the model module it comes from, as a
+    comment (``conv2d = torch.ops.aten.conv2d.default(...)  # layer1.0.conv1``)."""
+    paths = {n.name: module_path(n) for n in gm.graph.nodes
+             if n.op not in ("get_attr", "placeholder", "output")}
+    lines = []
+    for line in body.splitlines():
+        m = re.match(r"\s*(\w+) = ", line)
+        path = paths.get(m.group(1)) if m else None
+        lines.append(f"{line}  # {path}" if path else line)
+    return "\n".join(lines)
+
+
 def stage_source(gm: fx.GraphModule, class_name: str, header: str) -> StageSource:
     """The generated ``module.py`` of stage module ``gm``, with its weights."""
     imp = _Imports()
     code = gm.graph.python_code(root_module="self")
-    body = code.src.strip("\n")
+    body = _annotated(gm, code.src.strip("\n"))
     for name, obj in code.globals.items():
         if not re.search(rf"\b{re.escape(name)}\b", body):
             continue

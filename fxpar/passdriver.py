@@ -18,7 +18,7 @@ from torch import fx
 
 from fxpar import meta
 from fxpar.plan import Plan, PlanError
-from fxpar.report import node_table
+from fxpar.report import listed, node_table
 from fxpar.spatial.norms import TileGroupNorm
 from fxpar.spatial.ops import (
     Halo,
@@ -126,7 +126,7 @@ def dump(name: str, gm: fx.GraphModule, code: bool = False) -> str:
     if name in COLUMNS:
         header, value = COLUMNS[name]
         width = max(len(line) for line in lines)
-        extra = [header, *(value(gm, n) for n in gm.graph.nodes)]
+        extra = [header, *(value(gm, n) for n in listed(gm))]
         lines = [f"{line.ljust(width)}  {x}".rstrip() for line, x in zip(lines, extra,
                                                                            strict=True)]
     text = "\n".join(lines)

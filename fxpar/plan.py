@@ -67,6 +67,10 @@ class Plan:
     data_parallel: int = 1
     """Copies of the whole layout, each on its own ranks and its own part of the batch; 1 means
     no data parallelism. [--local-DP]"""
+    strict: bool = False
+    """Spatial plans: raise (instead of warning) when the spatial region covers less than
+    ``fxpar.COVERAGE_WARN`` of the forward FLOPs on image tensors, e.g. because an op without
+    a tiling rule ends it early."""
 
     def __post_init__(self) -> None:
         if self.balance is not None:
@@ -107,6 +111,8 @@ class Plan:
             out.append(f"Plan.slice must be one of {SLICES}, got {self.slice!r}")
         if not isinstance(self.gems, bool):
             out.append(f"Plan.gems must be True or False, got {self.gems!r}")
+        if not isinstance(self.strict, bool):
+            out.append(f"Plan.strict must be True or False, got {self.strict!r}")
         if ok and self.spatial_parts > 1 and self.spatial_stages > self.stages:
             out.append(
                 f"Plan.spatial_stages={self.spatial_stages} exceeds stages={self.stages}: "

@@ -8,12 +8,13 @@ import torch
 from torch import fx, nn
 
 from fxpar import meta
+from fxpar.capture import BatchNormOp, DropoutOp, pretty_path
 from fxpar.meta import NodeCost, TensorInfo
 from fxpar.spatial.geometry import Rect
 from fxpar.spatial.ops import Halo, HaloOp
 from fxpar.stages import StageGraph
 from fxpar.trace import totals
-from passes.spatial_region import SpatialLayout, region_ends
+from passes.spatial_region import Coverage, SpatialLayout, region_ends
 from passes.split_stages import StageAssignment, compute_nodes
 
 if TYPE_CHECKING:
@@ -40,7 +41,11 @@ def op_name(gm: fx.GraphModule, n: fx.Node) -> str:
     """What a node does, in a few characters: module type, function or method name."""
     if n.op == "call_module":
         mod: nn.Module = gm.get_submodule(str(n.target))
+        if isinstance(mod, (BatchNormOp, DropoutOp)):
+            return "batch_norm" if isinstance(mod, BatchNormOp) else mod.kind
         return type(mod).__name__
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        return n.target.overloadpacket.__name__  # aten.conv2d.default -> conv2d
     if n.op == "call_function":
         return getattr(n.target, "__name__", str(n.target))
     if n.op == "call_method":
@@ -55,15 +60,42 @@ def shape_text(n: fx.Node) -> str:
     return ", ".join("x".join(map(str, s)) for s in info.shapes)
 
 
+def listed(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes a table shows: all but the parameter reads (``get_attr``), whose bytes are
+    shown on the ops that use them."""
+    return [n for n in gm.graph.nodes if n.op != "get_attr"]
+
+
+def module_path(n: fx.Node) -> str:
+    """The model module a node comes from (``layer1.0.conv1``), '' if unknown."""
+    stack = n.meta.get("nn_module_stack")
+    if not stack:
+        return str(n.target) if n.op == "call_module" else ""
+    return pretty_path(list(stack.values())[-1][0])
+
+
+def _params(n: fx.Node) -> int:
+    own = meta.find(n, NodeCost)
+    total = own.param_bytes if own is not None else 0
+    for a in n.all_input_nodes:
+        c = meta.find(a, NodeCost)
+        if a.op == "get_attr" and c is not None:
+            total += c.param_bytes
+    return total
+
+
 def node_table(gm: fx.GraphModule) -> str:
-    """One row per node: index, name, op, output shape, FLOPs, output bytes, parameter bytes."""
-    rows = [("#", "node", "op", "output", "FLOPs", "out bytes", "params")]
-    for i, n in enumerate(gm.graph.nodes):
+    """One row per listed node: its index in the graph, name, op, the model module it comes
+    from, output shape, FLOPs, output bytes, bytes of the parameters it reads."""
+    rows = [("#", "node", "op", "module", "output", "FLOPs", "out bytes", "params")]
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in listed(gm):
         c = meta.find(n, NodeCost) or NodeCost(0, 0, 0)
-        rows.append((str(i), n.name, op_name(gm, n), shape_text(n),
-                     si(c.flops) if c.flops else "0", nbytes(c.out_bytes),
-                     nbytes(c.param_bytes) if c.param_bytes else "0"))
-    return "\n".join(_columns(rows, right={0, 4, 5, 6}))
+        p = _params(n)
+        rows.append((str(index[n]), n.name, op_name(gm, n), module_path(n) or "-",
+                     shape_text(n), si(c.flops) if c.flops else "0", nbytes(c.out_bytes),
+                     nbytes(p) if p else "0"))
+    return "\n".join(_columns(rows, right={0, 5, 6, 7}))
 
 
 def totals_line(gm: fx.GraphModule) -> str:
@@ -119,6 +151,10 @@ def halo_table(program: Program) -> str:
     lines = [f"spatial region: {tiled} of {len(gm.graph.nodes)} nodes on a "
              f"{info.grid.rows}x{info.grid.cols} tile grid "
              f"({'tiled' if info.out_tiled else 'replicated'} model output)"]
+    cov = gm.meta.get(Coverage.KEY)
+    if cov is not None:
+        lines.append(f"spatial coverage: {cov.share:.1%} of the forward FLOPs on image tensors "
+                     f"run on tiles ({cov.tiled / 1e9:.3g} of {cov.image / 1e9:.3g} GFLOP)")
     lines += [f"  {reason}" for reason in region_ends(gm)]
     rows = [("stage", "tile", "halos", "received", "minimum", "ratio", "widths of the first "
              "halo (t b l r)")]

@@ -26,12 +26,9 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpar import meta
+from fxpar.capture import TraceError
 from fxpar.capture import capture as capture_model
 from fxpar.meta import NodeCost, TensorInfo
-
-
-class TraceError(RuntimeError):
-    """The model (or one of its modules) cannot be traced by torch.fx."""
 
 
 class _Tracer(fx.Tracer):
@@ -191,9 +188,10 @@ def trace(model: nn.Module, *example_inputs: torch.Tensor | Sequence[int],
     ``example_inputs`` may be real tensors, ``meta`` tensors, or plain shapes such as
     ``(8, 3, 16384, 16384)``: only their shapes and dtypes are used.
     capture: "export" (ATen-level graph through torch.export, fxpar.capture) or "fx"
-        (module-level torch.fx symbolic trace); default: env FXPAR_CAPTURE, else "fx".
+        (module-level torch.fx symbolic trace); default: env FXPAR_CAPTURE, else "export".
+        ``leaf_modules`` (kept opaque) only exist for "fx".
     """
-    how = capture or os.environ.get("FXPAR_CAPTURE", "fx")
+    how = capture or os.environ.get("FXPAR_CAPTURE", "export")
     if how == "export" and not leaf_modules:
         first = next(iter(model.parameters()), None)
         dtype = first.dtype if first is not None else torch.float32

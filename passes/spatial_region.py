@@ -16,10 +16,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 from torch import fx
 
 from fxpar import meta
-from fxpar.meta import TensorInfo
+from fxpar.capture import where
+from fxpar.meta import NodeCost, TensorInfo
 from fxpar.plan import Plan, PlanError
 from fxpar.spatial.geometry import Grid
 from fxpar.spatial.opclass import Mean, Pointwise, classify, why_not
@@ -95,7 +97,49 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         meta.put(n, SpatialLayout(True))
     if not any(n.op != "placeholder" for n in tiled):
         raise PlanError(_nothing_tiled(gm, plan, grid))
+    gm.meta[Coverage.KEY] = coverage(gm, grid)
     return gm
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How much of the model's work the spatial region spreads over the tiles (forward FLOPs,
+    from the analysis): ``tiled`` of ``image``, where ``image`` counts every op that reads or
+    makes an image tensor (4-D, H and W at least the tile grid): what a spatial plan could
+    split. The classifier head (flatten, linear) and squeeze-excite's 1x1 maps are outside
+    both. ``ended``: why the region ends early ('' if it covers every image op)."""
+
+    KEY: ClassVar[str] = "fxpar.coverage"
+    tiled: int
+    image: int
+    ended: str = ""
+
+    @property
+    def share(self) -> float:
+        return self.tiled / self.image if self.image else 1.0
+
+
+def coverage(gm: fx.GraphModule, grid: Grid) -> Coverage:
+    """The spatial region's :class:`Coverage` (its layouts as the region pass left them)."""
+    tiled = image = 0
+    first = ""
+    for n in gm.graph.nodes:
+        cost = meta.find(n, NodeCost)
+        if cost is None or n.op in ("placeholder", "get_attr", "output"):
+            continue
+        on_image = any((e := _extent(a)) is not None and grid.fits(e)
+                       for a in [n, *_inputs(n)])
+        if not on_image:
+            continue
+        image += cost.flops
+        lay = meta.find(n, SpatialLayout)
+        ins_tiled = any((la := meta.find(a, SpatialLayout)) is not None and la.tiled
+                        for a in _inputs(n))
+        if lay is not None and (lay.tiled or (ins_tiled and not lay.reason)):
+            tiled += cost.flops  # a tile op, or a global mean of tiles
+        elif not first and lay is not None and lay.reason:
+            first = _explained(gm, n)
+    return Coverage(tiled, image, first)
 
 
 def _operands(args: Any, direct: bool) -> Iterator[tuple[bool, fx.Node]]:
@@ -114,7 +158,10 @@ def _whole_operand(n: fx.Node, tiled: set[fx.Node], grid: Grid, ext: tuple[int, 
     varies along a split dim ('' if none). The tile rewrite slices a whole operand only when it
     is a positional argument with the output's 4-D extent; anything else is used as it is, so
     it must broadcast along the split dims (size 1 there)."""
-    for direct, a in [*_operands(n.args, True), *_operands(n.kwargs.values(), False)]:
+    # a concatenation's operands come as one list; each is sliced to the tile like an argument
+    cat = getattr(n.target, "overloadpacket", n.target) in (torch.ops.aten.cat, torch.cat)
+    args = n.args[0] if cat and n.args and isinstance(n.args[0], (list, tuple)) else n.args
+    for direct, a in [*_operands(args, True), *_operands(n.kwargs.values(), False)]:
         info = meta.find(a, TensorInfo)
         if a in tiled or info is None or len(info.shapes) != 1:
             continue
@@ -159,6 +206,9 @@ def _nothing_tiled(gm: fx.GraphModule, plan: Plan, grid: Grid) -> str:
 def _describe(gm: fx.GraphModule, n: fx.Node) -> str:
     if n.op == "call_module":
         return f"{type(gm.get_submodule(str(n.target))).__name__} {n.target!r}"
+    if isinstance(n.target, torch._ops.OpOverload):  # a captured ATen op: say where it is from
+        at = where(n)
+        return f"aten.{n.target.overloadpacket.__name__}" + (f" ({at})" if at else "")
     return f"{getattr(n.target, '__name__', n.target)!s} ({n.op})"
 
 

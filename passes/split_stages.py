@@ -179,12 +179,24 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             used = {meta.get(u, StageAssignment).stage for u in n.users}
+            if len(used) > 1 and _is_parameter(gm, str(n.target)):
+                raise PlanError(f"parameter {n.target} is used in stages {sorted(used)}; "
+                                f"parameters shared across stages are not supported: set "
+                                f"Plan.balance so all its uses fall in one stage")
             if len(used) > 1:
                 raise PlanError(f"{n.target!r} is used by stages {sorted(used)}; a tensor "
                                 f"attribute shared across stages is not supported: change the "
                                 f"cut with Plan.balance")
     _check_no_shared_modules(gm)
     return gm
+
+
+def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
 
 
 def _mark_output(gm: fx.GraphModule, last: int) -> None:

@@ -126,6 +126,9 @@ CATALOGUE: list[Entry] = [
     Entry("plan-gems-flag", "plan", "gems is not a bool", PlanError,
           r"Plan\.gems must be True or False", "Pass gems=True or gems=False.",
           lambda: Plan(gems=1)),
+    Entry("plan-strict-flag", "plan", "strict is not a bool", PlanError,
+          r"Plan\.strict must be True or False", "Pass strict=True or strict=False.",
+          lambda: Plan(strict="yes")),
     Entry("plan-spatial-stages", "plan", "more spatial stages than stages", PlanError,
           r"exceeds stages=", "The spatial stages are the leading stages: set "
           "spatial_stages <= stages, or raise stages.",
@@ -169,23 +172,25 @@ CATALOGUE: list[Entry] = [
           ValueError, r"every size >= 1", "Give the real global batch shape, batch first.",
           lambda: build(shape=(4, 3, 0, 8))),
     Entry("model-untraceable", "model", "forward() has Python control flow on tensor values",
-          TraceError, r"cannot trace DataDependent\.forward",
-          "Express the choice with tensor ops (torch.where, masks), or move that code into a "
-          "submodule and list its type in leaf_modules= (it then runs as one opaque op).",
+          TraceError, r"could not capture DataDependent at .*errors_triggers\.py:\d+ in forward: "
+          r"if y\.sum\(\) > 0",
+          "The message names the source line: express the choice with tensor ops "
+          "(torch.where, masks).",
           lambda: build(model=DataDependent())),
     Entry("model-untraceable-module", "model", "a submodule cannot be traced", TraceError,
-          r"cannot trace module 'gate' \(Gate\)",
-          "The message names the innermost module: rewrite it with tensor ops, or pass "
-          "leaf_modules=[ThatType] (a leaf is never split across stages or tiles).",
+          r"could not capture Gated in module 'gate' \(Gate\) at .*errors_triggers\.py:\d+",
+          "The message names the innermost module and the source line: rewrite that choice "
+          "with tensor ops (torch.where, masks).",
           lambda: build(model=Gated())),
     Entry("model-data-dependent-leaf", "model", "a leaf module's control flow reads tensor "
           "values", TraceError, r"depends on tensor values",
           "fxpar analyses on shapes only: express the choice with tensor ops (torch.where).",
           lambda: build(model=Gated(), leaf_modules=[Gate])),
     Entry("model-shape", "model", "the example input does not fit the model", TraceError,
-          r"shape propagation failed at node",
+          r"could not capture Sequential in module '0' \(Conv2d\): RuntimeError: .*expected "
+          r"input",
           "Check the example input's shape (channels, image large enough for every stride and "
-          "pooling window) and the model's layer sizes; the message names the node.",
+          "pooling window) and the model's layer sizes; the message names the module.",
           lambda: build(shape=(4, 5, 8, 8))),
     Entry("model-lazy", "model", "the model has lazy modules (nn.LazyLinear, ...)", TraceError,
           r"uninitialized lazy parameters", "Run the model once on a small batch before "
@@ -225,6 +230,14 @@ CATALOGUE: list[Entry] = [
           "the cut with Plan.balance, or change that op.",
           lambda: build(Plan(stages=3, spatial_parts=2, spatial_stages=2), model=nn.Sequential(
               conv_then(), nn.Flatten(), nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 3)))),
+    Entry("spatial-coverage-strict", "spatial", "with Plan(strict=True), the spatial region "
+          "runs too little of the model on tiles", PlanError,
+          r"the spatial region runs only \d+% of the forward FLOPs .*Plan\(strict=True\)",
+          "The message names the op that ends the region and where it is in the model's code; "
+          "change that op, or accept the plan with strict=False (it then warns).",
+          lambda: build(Plan(spatial_parts=2, strict=True), model=nn.Sequential(
+              nn.Conv2d(3, 4, 3, padding=1), nn.PixelShuffle(2), nn.Conv2d(1, 8, 3, padding=1),
+              nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 16 * 16, 3)))),
     # stages and pipelines
     Entry("stages-too-many", "stages", "more stages than compute nodes", PlanError,
           r"but the model has only \d+ compute nodes", "Use at most that many stages.",

@@ -224,7 +224,7 @@ def shared_attribute() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.a, self.b = nn.Conv2d(3, 3, 1), nn.Conv2d(3, 3, 1)
-            self.scale = nn.Parameter(torch.ones(1))
+            self.register_buffer("scale", torch.ones(1))  # a tensor, not a parameter
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.b(self.a(x) * self.scale) * self.scale

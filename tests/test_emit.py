@@ -3,6 +3,7 @@ the MPI half, training a saved program under mpiexec, is in cases/emit_cases.py)
 
 import importlib.util
 import json
+import re
 import shutil
 import sys
 
@@ -66,8 +67,10 @@ def test_generated_code_is_readable_python(saved):
     code = (root / "rank00001" / "c0_s0" / "module.py").read_text()
     assert "class Stage0Tile1(torch.nn.Module):" in code
     assert "from fxpar.spatial.ops import HaloOp" in code
-    assert "put(self, 'layer1.0.bn1', BatchNorm2d(64, eps=1e-05" in code
-    assert "def forward(self, x" in code and "sync_batch_norm" in code
+    assert "put(self, 'layer1.0.bn1.running_mean', torch.empty((64,), dtype=torch.float64))" \
+        in code
+    assert "def forward(self, x" in code and "TileBatchNorm" in code
+    assert re.search(r"fxpar_halo_\d+ = self\.fxpar_halo_\d+\(.*  # layer1\.0\.conv1\n", code)
     assert str(root) not in code and "torch.load(_HERE / 'weights.pt'" not in code
     assert "pickled" not in code  # every module of resnet18 is written as a constructor call
     compile(code, "module.py", "exec")

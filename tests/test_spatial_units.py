@@ -2,6 +2,7 @@
 real ops, exchanges on small grids, and the errors a user can hit."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -105,8 +106,10 @@ def test_halo_reaches_past_the_immediate_neighbour():
 def test_region_ends_at_an_op_that_cannot_be_tiled_and_says_which():
     gm = trace(torchvision.models.vgg11(), (1, 3, 64, 64))
     spatial_region(gm, fxpar.Plan(spatial_parts=4))
-    assert region_ends(gm) == ["region ends at 'avgpool': AdaptiveAvgPool2d 'avgpool' cannot "
-                               "run on tiles"]
+    assert len(region_ends(gm)) == 1 and re.fullmatch(
+        r"region ends at 'adaptive_avg_pool2d': aten.adaptive_avg_pool2d \(module 'avgpool' "
+        r"\(AdaptiveAvgPool2d\), torchvision/models/vgg.py:\d+\) cannot run on tiles",
+        region_ends(gm)[0])
 
 
 class _PositionBias(nn.Module):
@@ -138,10 +141,12 @@ def test_region_ends_at_a_whole_operand_that_varies_along_a_split_dim(bias, slic
 
 
 def test_region_end_errors_say_why_the_op_is_not_tiled():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Upsample(size=(16, 16)),
-                          nn.Conv2d(4, 4, 3, padding=1), nn.Flatten())
-    with pytest.raises(fxpar.PlanError, match=r"region ends at '_1': Upsample '1' cannot run "
-                       r"on tiles: only Upsample\(scale_factor=<integer>"):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.PixelShuffle(2),
+                          nn.Conv2d(1, 4, 3, padding=1), nn.Flatten())
+    with pytest.raises(fxpar.PlanError, match=r"region ends at 'pixel_shuffle': "
+                       r"aten.pixel_shuffle \(module '1' \(PixelShuffle\), "
+                       r"torch/nn/modules/pixelshuffle.py:\d+\) cannot run on tiles: fxpar has "
+                       r"no tiling rule for aten.pixel_shuffle"):
         fxpar.compile(model, fxpar.Plan(stages=2, spatial_parts=2, spatial_stages=2),
                       (2, 3, 8, 8))
 
@@ -177,4 +182,34 @@ def test_tile_programs_print_their_halos():
     tile3 = program.spatial.tiles[(0, 3)]
     halos = [m for name, m in tile3.named_children() if name.startswith("fxpar_halo")]
     assert halos and "halo top=1 bottom=1 left=1 right=1" in repr(halos[1])
-    assert "sync_batch_norm" in tile3.code and "spatial_mean" in tile3.code
+    assert "self.fxpar_syncbn_" in tile3.code and "spatial_mean" in tile3.code
+
+
+def test_coverage_counts_the_flops_on_tiles_and_warns_naming_the_op():
+    """Coverage = forward FLOPs of tiled ops / FLOPs of all ops on image tensors, computed
+    here by hand: only the first convolution runs on tiles (PixelShuffle has no rule)."""
+    from fxpar.compiler import CoverageWarning
+    from passes.spatial_region import Coverage
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.PixelShuffle(2),
+                          nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.Flatten(), nn.Linear(8 * 16 * 16, 3))
+    with pytest.warns(CoverageWarning, match=r"runs only 4% of the forward FLOPs on image "
+                      r"tensors on tiles .*region ends at 'pixel_shuffle': aten\.pixel_shuffle"):
+        program = fxpar.compile(model, fxpar.Plan(spatial_parts=2), (4, 3, 8, 8))
+    cov = program.traced.meta[Coverage.KEY]
+    first = 2 * 4 * 3 * 9 * (4 * 8 * 8)
+    rest = 2 * 8 * 1 * 9 * (4 * 16 * 16) + 2 * 8 * 8 * 9 * (4 * 16 * 16)
+    assert (cov.tiled, cov.image) == (first, first + rest)  # the linear head is in neither
+
+
+def test_a_model_tiled_to_its_head_has_full_coverage_and_no_warning():
+    import warnings
+
+    from passes.spatial_region import Coverage
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        program = fxpar.compile(torchvision.models.resnet18(), fxpar.Plan(spatial_parts=2),
+                                (2, 3, 64, 64))
+    assert program.traced.meta[Coverage.KEY].share == 1.0

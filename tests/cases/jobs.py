@@ -73,16 +73,13 @@ def on(rank: int, step: int, act):
     return before
 
 
-def inside_relu(rank: int, act) -> None:
-    """From now on, run ``act()`` inside every ReLU forward on ``rank`` (a stage's compute)."""
+def inside_stage(rp: fxpar.RankProgram, rank: int, act) -> None:
+    """From now on, run ``act()`` at the start of every stage forward on ``rank`` (inside a
+    compute action, while its peers are in theirs)."""
     if world().rank != rank:
         return
-    relu = nn.ReLU.forward
-
-    def forward(self: nn.ReLU, x: torch.Tensor) -> torch.Tensor:
-        act()
-        return relu(self, x)
-    nn.ReLU.forward = forward  # type: ignore[method-assign]
+    for module in rp.stages.values():
+        module.register_forward_pre_hook(lambda *_: act())
 
 
 # -- faults ------------------------------------------------------------------------------------
@@ -109,7 +106,7 @@ def job_out_of_memory_in_forward(out: Path) -> None:
     """A stage's forward on rank 2 runs out of memory (a real allocator failure)."""
     rp = compiled("hybrid")
     train(rp, steps=1)
-    inside_relu(2, lambda: torch.empty(1 << 60, dtype=torch.uint8))
+    inside_stage(rp, 2, lambda: torch.empty(1 << 60, dtype=torch.uint8))
     train(rp, steps=1)
 
 
@@ -117,7 +114,7 @@ def job_rank_killed(out: Path) -> None:
     """Rank 1 is killed (SIGKILL, as the OOM killer does) in the middle of a step."""
     rp = compiled("pp")
     train(rp, steps=1)
-    inside_relu(1, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    inside_stage(rp, 1, lambda: os.kill(os.getpid(), signal.SIGKILL))
     train(rp, steps=1)
 
 

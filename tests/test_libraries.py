@@ -1,0 +1,28 @@
+"""Models from timm, segmentation-models-pytorch, MONAI and torchvision, unchanged, under a
+real mpiexec vs one process in float64, with the spatial coverage each SP plan must reach
+(tests/cases/library_cases.py). CI runs every model under SP2 and each other plan on two
+models; FXPAR_LIBRARY_MATRIX=1 runs every (model, plan) pair."""
+
+import os
+import sys
+
+import pytest
+from launch import TESTS, cases_in, check, launch
+
+pytestmark = pytest.mark.mpi
+ALL, NAMES = cases_in("library_cases.py")
+sys.path.insert(0, str(TESTS / "cases"))
+from library_cases import ci_subset  # noqa: E402
+
+CHOSEN = NAMES if os.environ.get("FXPAR_LIBRARY_MATRIX") == "1" else ci_subset()
+CASES = [c for c, n in zip(ALL, NAMES, strict=True) if n in CHOSEN]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(CASES, n=4, timeout=3000)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.split("::")[1] for c in CASES])
+def test_library_model_transparency(results, case):
+    check(results, case)
