@@ -141,8 +141,12 @@ def _last_frame(trace: str) -> str:
 
 
 def _short_file(file: str) -> str:
+    """A source file as a user reads it: relative to site-packages or the working folder."""
     m = re.search(r"site-packages/(.*)$", file)
-    return m.group(1) if m else file
+    if m:
+        return m.group(1)
+    here = os.getcwd() + os.sep
+    return file[len(here):] if file.startswith(here) else file
 
 
 def capture(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
@@ -209,7 +213,7 @@ def _explain(model: nn.Module, e: Exception, module: str = "") -> str:
     if user:
         file, line, fn = user[-1]
         code = linecache.getline(file, int(line)).strip()
-        at = f" at {_short_file(file)}:{line} in {fn}" + (f": {code}" if code else "")
+        at = f" at {_short_file(file)}:{line} in {fn}" + (f" (`{code}`)" if code else "")
     first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
     data_dependent = any(k in text for k in ("data-dependent", "data dependent",
                                              "GuardOnDataDependent", "DataDependent"))

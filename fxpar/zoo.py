@@ -18,8 +18,8 @@ class ModelSpecError(ValueError):
     """A model spec that names nothing buildable; the message shows the accepted forms."""
 
 
-FORMS = ("torchvision:NAME (e.g. torchvision:resnet50), models:NAME (e.g. models:amoebanet), "
-         "or path/to/file.py:FACTORY")
+FORMS = ("torchvision:NAME (e.g. torchvision:resnet50), timm:NAME (e.g. timm:efficientnet_b0), "
+         "models:NAME (e.g. models:amoebanet), or path/to/file.py:FACTORY")
 
 
 def parse_kwargs(items: Sequence[str]) -> dict[str, Any]:
@@ -60,6 +60,15 @@ def build_model(spec: str, *, meta: bool = False, **kwargs: Any) -> nn.Module:
             raise ModelSpecError(f"torchvision has no classification model {name!r}; "
                                  f"some it has: {', '.join(sorted(known)[:12])}, ...")
         return tvm.get_model(name, weights=None, **kwargs)
+    if source == "timm":
+        try:
+            import timm
+        except ImportError:
+            raise ModelSpecError(f"model spec {spec!r} needs timm: pip install timm") from None
+        if not timm.is_model(name):
+            raise ModelSpecError(f"timm has no model {name!r}; e.g. timm:efficientnet_b0, "
+                                 f"timm:convnext_atto, timm:regnety_002")
+        return timm.create_model(name, pretrained=False, **kwargs)
     if source == "models":
         import models
 

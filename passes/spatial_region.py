@@ -24,6 +24,7 @@ from fxpar.capture import where
 from fxpar.meta import NodeCost, TensorInfo
 from fxpar.plan import Plan, PlanError
 from fxpar.spatial.geometry import Grid
+from fxpar.spatial.islands import find_islands
 from fxpar.spatial.opclass import Mean, Pointwise, classify, why_not
 
 
@@ -35,6 +36,8 @@ class SpatialLayout:
     tiled: bool
     reason: str = ""
     """For a replicated node with tiled inputs: why the region ends here."""
+    channels_last: bool = False
+    """A tiled value inside a channels-last island (fxpar.spatial.islands): N, H, W, C."""
 
 
 def _extent(n: fx.Node) -> tuple[int, int] | None:
@@ -54,6 +57,7 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     grid = Grid(*plan.tile_grid())
     tiled: set[fx.Node] = set()
+    islands = find_islands(gm)
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             ext = _extent(n)
@@ -72,6 +76,11 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         ins = [a for a in _inputs(n) if a in tiled]
         if not ins:
             meta.put(n, SpatialLayout(False))
+            continue
+        role = islands.get(n)
+        if role is not None and (role != "entry" or grid.fits(_extent(ins[0]) or (0, 0))):
+            tiled.add(n)  # per-pixel ops in channels-last layout: the tile as it is
+            meta.put(n, SpatialLayout(True, channels_last=role != "exit"))
             continue
         op = classify(gm, n)
         ext = _extent(n)

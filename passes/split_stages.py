@@ -166,6 +166,7 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         shared = [node_cost(n, plan.spatial_parts) for n in order] if plan.spatial else None
         cuts = choose_cuts(costs, cut_traffic(gm, order), s, shared,
                            plan.spatial_stages if plan.spatial else 0)
+    cuts = _outside_islands(gm, order, cuts, plan)
     bounds = [0, *cuts, len(order)]
     for k in range(s):
         for n in order[bounds[k]:bounds[k + 1]]:
@@ -189,6 +190,31 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                                 f"cut with Plan.balance")
     _check_no_shared_modules(gm)
     return gm
+
+
+def _outside_islands(gm: fx.GraphModule, order: list[fx.Node], cuts: list[int],
+                     plan: Plan) -> list[int]:
+    """Cuts moved past any channels-last island they would split (its N, H, W, C tiles cannot
+    cross between stages): an explicit balance that splits one is an error."""
+    index = {n: i for i, n in enumerate(order)}
+    spans = [(i, max((index.get(u, len(order)) for u in n.users), default=i))
+             for i, n in enumerate(order)
+             if getattr(n.meta.get("fxpar.spatial"), "channels_last", False)]
+    out: list[int] = []
+    for p in cuts:
+        q = p  # the stage after the cut starts at order[q]: no island value may cross it
+        while q < len(order) and any(i < q <= end for i, end in spans):
+            q += 1
+        if q != p and plan.balance is not None:
+            raise PlanError(f"Plan.balance={plan.balance} cuts the model inside a channels-last "
+                            f"block (permute .. permute, as in ConvNeXt) at node "
+                            f"{order[p].name!r}, whose tiles cannot cross stages: move that cut "
+                            f"by {q - p} node(s)")
+        if out and q <= out[-1] or q >= len(order):
+            raise PlanError(f"stages={plan.stages}: cannot place the cuts outside the model's "
+                            f"channels-last blocks; use fewer stages or an explicit balance")
+        out.append(q)
+    return out
 
 
 def _is_parameter(gm: fx.GraphModule, target: str) -> bool:

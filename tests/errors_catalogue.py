@@ -172,8 +172,8 @@ CATALOGUE: list[Entry] = [
           ValueError, r"every size >= 1", "Give the real global batch shape, batch first.",
           lambda: build(shape=(4, 3, 0, 8))),
     Entry("model-untraceable", "model", "forward() has Python control flow on tensor values",
-          TraceError, r"could not capture DataDependent at .*errors_triggers\.py:\d+ in forward: "
-          r"if y\.sum\(\) > 0",
+          TraceError, r"could not capture DataDependent at .*errors_triggers\.py:\d+ in forward "
+          r"\(`if y\.sum\(\) > 0",
           "The message names the source line: express the choice with tensor ops "
           "(torch.where, masks).",
           lambda: build(model=DataDependent())),

@@ -91,7 +91,7 @@ def test_value_dependent_control_flow_names_the_module_and_line():
         trace(_Net(), (1, 3, 8, 8))
     msg = str(e.value)
     assert "in module 'block.1' (_Gate)" in msg
-    assert re.search(r"test_trace.py:\d+ in forward: if x.sum\(\) > 0:", msg)
+    assert re.search(r"test_trace.py:\d+ in forward \(`if x.sum\(\) > 0:", msg)
     assert "torch.where" in msg
 
 

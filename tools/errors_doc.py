@@ -11,6 +11,7 @@ tests/test_errors.py checks that the committed page equals a fresh render::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import warnings
@@ -90,8 +91,9 @@ def render(cat: ModuleType, found: dict[str, tuple[BaseException | None, str]]) 
     for g in groups:
         lines += ["", f"## {cat.GROUPS[g]}"]
         for entry in (e for e in cat.CATALOGUE if e.group == g):
+            text = found[entry.id][1].rstrip().replace(f"{ROOT}{os.sep}", "")  # clone-free
             lines += ["", f"### `{entry.id}`: {entry.when}", "",
-                      f"{_kind(entry.error)}", "", "```text", found[entry.id][1].rstrip(), "```",
+                      f"{_kind(entry.error)}", "", "```text", text, "```",
                       "", f"**Fix:** {entry.fix}"]
     return "\n".join(lines) + "\n"
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from fxpar import draw
 from fxpar.compiler import PASSES, links_of
@@ -153,6 +153,10 @@ def _print_views(args: argparse.Namespace, program: Program, dumps: dict[str, st
         print(memory_table(program))
 
 
+def _uninitialised(name: str, module: nn.Module) -> None:
+    """fxpar-inspect's ``init``: leave a materialised module's memory as it is."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -200,7 +204,10 @@ def _main(args: argparse.Namespace) -> int:
                     spatial_parts=args.spatial_parts, slice=args.slice,
                     spatial_stages=args.spatial_stages, gems=args.gems,
                     gems_times=args.times, data_parallel=args.data_parallel)
-        program = fx_compile(model, plan, example, after_pass=after_pass)
+        # the model is on meta; inspecting never computes with weights, so a rank's modules
+        # get memory without values (no reset_parameters: a module with none is fine here)
+        program = fx_compile(model, plan, example, after_pass=after_pass,
+                             init=_uninitialised)
         assert program.traced is not None
         gm = program.traced
     took = time.perf_counter() - start

@@ -71,10 +71,12 @@ def _monai(name: str) -> Callable[[], nn.Module]:
 
 MODELS: dict[str, Model] = {
     "timm_efficientnet_b0": Model(_timm("efficientnet_b0"), (64, 64), 0.95),
+    "timm_convnext_atto": Model(_timm("convnext_atto"), (64, 64), 0.95),
     "timm_regnety_002": Model(_timm("regnety_002"), (64, 64), 0.95),
     "timm_tf_efficientnetv2_s": Model(_timm("tf_efficientnetv2_s"), (64, 64), 0.95),
     "tv_inception_v3": Model(_tv("inception_v3", aux_logits=False, init_weights=False,
-                                 dropout=0.0), (80, 80), 0.95),
+                                 dropout=0.0), (112, 112), 0.95),
+    "tv_convnext_tiny": Model(_tv("convnext_tiny"), (64, 64), 0.95),
     "tv_efficientnet_b0": Model(_tv("efficientnet_b0", dropout=0.0,
                                     stochastic_depth_prob=0.0), (64, 64), 0.95),
     "smp_Unet": Model(_smp("Unet"), (64, 64), 0.95, segmentation=True),
