@@ -7,8 +7,9 @@ called with no arguments on every rank (it gets the world from :func:`fxpar.comm
 
 Ranks leave a marker per case (started / passed / traceback) in a scratch folder. When a case
 raises on any rank, that rank writes its traceback and aborts the whole job (so no rank waits
-forever on a peer that died); the harness also kills the job's process group after ``timeout``.
-Cases that never finished are reported with the case each rank was in.
+forever on a peer that died); the cases no rank had started yet run again in a new launch. The
+harness kills the job's process group after ``timeout``. Cases that never finished are reported
+with the ranks that had started them.
 """
 
 from __future__ import annotations
@@ -62,18 +63,40 @@ def _marker(folder: Path, case: str, rank: int, kind: str) -> Path:
 def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
               env: dict[str, str] | None = None,
               pythonpath: Sequence[str | Path] = ()) -> dict[str, CaseResult]:
-    """Run ``cases`` in one ``mpiexec -n n`` launch; one result per case, never hanging.
+    """Run ``cases`` under ``mpiexec -n n``; one result per case, never hanging.
+
+    One launch runs them all in order. A failing case ends its launch (every rank aborts), so
+    the cases after it, which no rank started, run again in a fresh launch: one failure never
+    hides the verdict of another. ``timeout`` bounds all launches together.
 
     pythonpath: folders the case files import helpers from (prepended to PYTHONPATH)."""
-    folder = Path(tempfile.mkdtemp(prefix="fxpar-mpi-"))
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "fxpar.testing", str(folder), *cases]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if pythonpath:
         full_env["PYTHONPATH"] = os.pathsep.join(
             [*map(str, pythonpath), *filter(None, [full_env.get("PYTHONPATH")])])
+    deadline = time.monotonic() + timeout
+    results: dict[str, CaseResult] = {}
+    pending = list(cases)
+    while pending:
+        got, unstarted = _launch(pending, n, max(1.0, deadline - time.monotonic()), full_env)
+        results.update(got)
+        if not unstarted or len(unstarted) == len(pending) or time.monotonic() >= deadline:
+            for case in unstarted:  # nothing ran at all (e.g. an import failed): say so
+                results[case] = got[case]
+            break
+        pending = unstarted
+    return {case: results[case] for case in cases}
+
+
+def _launch(cases: list[str], n: int, timeout: float, env: dict[str, str]
+            ) -> tuple[dict[str, CaseResult], list[str]]:
+    """One ``mpiexec`` over ``cases``: (results of the cases some rank started, or every
+    case's result if none started; the cases no rank started)."""
+    folder = Path(tempfile.mkdtemp(prefix="fxpar-mpi-"))
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "fxpar.testing", str(folder), *cases]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True)
+                            env=env, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
         timed_out = False
@@ -83,6 +106,7 @@ def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
         timed_out = True
     elapsed = time.monotonic() - start
     results: dict[str, CaseResult] = {}
+    unstarted: list[str] = []
     for case in cases:
         errors = [(r, _marker(folder, case, r, "err")) for r in range(n)]
         errors = [(r, p.read_text()) for r, p in errors if p.exists()]
@@ -91,9 +115,11 @@ def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
             took = _marker(folder, case, 0, "ok").read_text().strip()
             results[case] = CaseResult(case, True, "", output, float(took or 0.0))
             continue
+        started = [r for r in range(n) if _marker(folder, case, r, "start").exists()]
+        if not started and not timed_out:
+            unstarted.append(case)
         lines = [f"--- rank {r} ---\n{text}" for r, text in errors]
         if not errors:
-            started = [r for r in range(n) if _marker(folder, case, r, "start").exists()]
             why = (f"killed after the {timeout:.0f}s timeout" if timed_out
                    else f"mpiexec exited with code {proc.returncode}")
             lines.append(f"case did not finish ({why}, {elapsed:.0f}s in); "
@@ -101,7 +127,7 @@ def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
         lines.append(f"--- mpiexec output (last 4000 chars) ---\n{output[-4000:]}")
         results[case] = CaseResult(case, False, "\n".join(lines), output)
     shutil.rmtree(folder, ignore_errors=True)
-    return results
+    return results, unstarted
 
 
 def load_case(case: str) -> Callable[[], object]:

@@ -46,6 +46,8 @@ from fxpar.spatial.ops import (
 from passes.spatial_region import SpatialLayout
 from passes.split_stages import model_output
 
+aten = torch.ops.aten
+
 
 @dataclass
 class _Ctx:
@@ -86,7 +88,8 @@ def _halo(ctx: _Ctx, before: fx.Node, x: fx.Node, needs: list[Rect], fill: float
     """Insert a Halo giving this tile ``needs[tile]`` of ``x``."""
     ex: Exchange = exchange(ctx.grid, _extent(x), needs, ctx.tile, fill)
     tag = ctx.tag()
-    name = ctx.add("halo", Halo(ex, ctx.key, replicated=x in ctx.replicated, tag=tag))
+    whole = x in ctx.replicated or not _tiled(x)  # e.g. ASPP's pooled branch, upsampled
+    name = ctx.add("halo", Halo(ex, ctx.key, replicated=whole, tag=tag))
     with ctx.gm.graph.inserting_before(before):
         node = ctx.gm.graph.call_module(name, (x,))
     n, c = _shape(x)[:2]
@@ -139,7 +142,8 @@ def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, needs: list[Rect], own
         cfg = {"kernel": op.k, "stride": op.s,
                "divisor_override": override if (override or plain) else 1}
     tag = ctx.tag()
-    name = ctx.add("halo", HaloOp(ex, ctx.key, op.kind, cfg, x in ctx.replicated, tag))
+    whole = x in ctx.replicated or not _tiled(x)
+    name = ctx.add("halo", HaloOp(ex, ctx.key, op.kind, cfg, whole, tag))
     node = g.call_module(name, args)
     if op.kind == "avgpool" and cfg["divisor_override"] == 1 and not op.attr("divisor_override"):
         counts = [avg_counts(in_ext[i], out_ext[i], op.k[i], op.s[i], op.p[i],
@@ -221,6 +225,28 @@ def _as_tile(ctx: _Ctx, n: fx.Node, a: Any) -> Any:
     return a  # broadcast (e.g. a squeeze-excite scale of shape N x C x 1 x 1)
 
 
+def _island_entry(ctx: _Ctx, n: fx.Node) -> None:
+    """A per-pixel island that starts from a whole tensor (the input image): slice my tile."""
+    lay = meta.find(n, SpatialLayout)
+    x = n.args[0] if n.args else None
+    if lay is None or not lay.island or not isinstance(x, fx.Node) or \
+            (_tiled(x) and x not in ctx.replicated) or getattr(meta.find(x, SpatialLayout),
+                                                             "island", False):
+        return
+    ext = _extent(x)
+    needs = [ctx.grid.tile_rect(ext, u) for u in range(ctx.grid.size)]
+    n.args = (_halo(ctx, n, x, needs, 0.0), *n.args[1:])
+
+
+def _tile_reshape(ctx: _Ctx, n: fx.Node) -> None:
+    """A reshape that keeps H and W as its last two dims, with this tile's sizes there."""
+    shape = _shape(n)
+    own = ctx.grid.tile_rect((shape[-2], shape[-1]), ctx.tile)
+    sizes = list(n.args[1])
+    sizes[-2:] = list(own.shape)
+    n.args = (n.args[0], sizes, *n.args[2:])
+
+
 def _tile_norm(ctx: _Ctx, n: fx.Node, op: Norm) -> None:
     """Group / instance norm -> TileGroupNorm (per-sample statistics over all tiles)."""
     shape = _shape(n)
@@ -262,6 +288,7 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
         if n.op in ("placeholder", "get_attr", "output") or n.target is model_output:
             continue  # the model's output leaves as it is: tiles for a loss on tiles
         if _tiled(n):
+            _island_entry(ctx, n)
             op = classify(gm, n)
             if isinstance(op, Window):
                 _window(ctx, n, op)
@@ -270,6 +297,8 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
                 n.args = fx.node.map_arg(n.args, lambda a, n=n: _as_tile(ctx, n, a))
             elif isinstance(op, Norm):
                 _tile_norm(ctx, n, op)
+            elif getattr(n.target, "overloadpacket", None) in (aten.reshape, aten.view):
+                _tile_reshape(ctx, n)  # inside a per-pixel island: the tile's H and W
             elif isinstance(op, BatchNorm) and n.op == "call_module" and \
                     isinstance(gm.get_submodule(str(n.target)), BatchNormOp):
                 _tile_batch_norm(ctx, n)

@@ -36,8 +36,9 @@ class SpatialLayout:
     tiled: bool
     reason: str = ""
     """For a replicated node with tiled inputs: why the region ends here."""
-    channels_last: bool = False
-    """A tiled value inside a channels-last island (fxpar.spatial.islands): N, H, W, C."""
+    island: bool = False
+    """A tiled value inside a per-pixel island (fxpar.spatial.islands): H and W are not dims
+    2 and 3 (N, H, W, C; or N, R, C, H, W), so it never crosses a stage or meets a join."""
 
 
 def _extent(n: fx.Node) -> tuple[int, int] | None:
@@ -79,8 +80,8 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             continue
         role = islands.get(n)
         if role is not None and (role != "entry" or grid.fits(_extent(ins[0]) or (0, 0))):
-            tiled.add(n)  # per-pixel ops in channels-last layout: the tile as it is
-            meta.put(n, SpatialLayout(True, channels_last=role != "exit"))
+            tiled.add(n)  # per-pixel ops in another layout: the tile as it is
+            meta.put(n, SpatialLayout(True, island=role != "exit"))
             continue
         op = classify(gm, n)
         ext = _extent(n)

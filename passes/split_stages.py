@@ -194,25 +194,27 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 def _outside_islands(gm: fx.GraphModule, order: list[fx.Node], cuts: list[int],
                      plan: Plan) -> list[int]:
-    """Cuts moved past any channels-last island they would split (its N, H, W, C tiles cannot
-    cross between stages): an explicit balance that splits one is an error."""
+    """Cuts moved past any per-pixel island they would split (its tiles, with H and W outside
+    dims 2 and 3, cannot cross between stages): an explicit balance that splits one is an
+    error."""
     index = {n: i for i, n in enumerate(order)}
     spans = [(i, max((index.get(u, len(order)) for u in n.users), default=i))
              for i, n in enumerate(order)
-             if getattr(n.meta.get("fxpar.spatial"), "channels_last", False)]
+             if getattr(n.meta.get("fxpar.spatial"), "island", False)]
     out: list[int] = []
     for p in cuts:
         q = p  # the stage after the cut starts at order[q]: no island value may cross it
         while q < len(order) and any(i < q <= end for i, end in spans):
             q += 1
         if q != p and plan.balance is not None:
-            raise PlanError(f"Plan.balance={plan.balance} cuts the model inside a channels-last "
-                            f"block (permute .. permute, as in ConvNeXt) at node "
+            raise PlanError(f"Plan.balance={plan.balance} cuts the model inside a per-pixel "
+                            f"block (ConvNeXt's permute .. permute, ResNeSt's split attention) at "
+                            f"node "
                             f"{order[p].name!r}, whose tiles cannot cross stages: move that cut "
                             f"by {q - p} node(s)")
         if out and q <= out[-1] or q >= len(order):
             raise PlanError(f"stages={plan.stages}: cannot place the cuts outside the model's "
-                            f"channels-last blocks; use fewer stages or an explicit balance")
+                            f"per-pixel blocks; use fewer stages or an explicit balance")
         out.append(q)
     return out
 

@@ -2,15 +2,17 @@
 process (loss, every gradient, parameters after 2 SGD steps, BatchNorm buffers, the eval
 forward; float64, tests/transparency.py), checked under a real ``mpiexec`` on 4 ranks.
 
-hypothesis draws a model (tests/fuzz/graphs.py: convs with random kernel / stride / padding /
-dilation / groups, max and avg pools with ceil_mode and padding, BatchNorm, ReLU, residual
-adds, channel concats across branches and earlier values, upsampling, adaptive pooling; odd
-and non-square images) and a plan of up to 4 ranks (spatial parts, slicing, spatial stages,
-stages, balance, micro-batches, schedule, GEMS and its rounds, data parallelism). A plan that
-``fxpar.compile`` rejects for that model with a PlanError (image too small for the tiles, a
-spatial stage without tiled work) is a legitimate rejection, counted; any other error, and
-any difference from the one-process result, fails and shrinks to a small example. Every
-example runs in one persistent ``mpiexec`` pool (tests/fuzz/pool.py).
+hypothesis draws a model (tests/fuzz/graphs.py: convs with random kernel / stride / padding
+/ dilation / groups, max and avg pools with ceil_mode and padding, BatchNorm, group and
+instance norm, ReLU, residual adds, channel concats across branches, earlier values and
+globally pooled branches, upsampling and interpolation, padding, channels-last blocks,
+adaptive pooling; odd and non-square images) and a plan of up to 4 ranks (spatial parts,
+slicing, spatial stages, stages, balance, micro-batches, schedule, GEMS and its rounds, data
+parallelism). A plan that ``fxpar.compile`` rejects for that model with a PlanError (image
+too small for the tiles, a spatial stage without tiled work) is a legitimate rejection,
+counted; any other error, and any difference from the one-process result, fails and shrinks
+to a small example. Every example runs in one persistent ``mpiexec`` pool
+(tests/fuzz/pool.py).
 
 CI runs a fixed, derandomized set of examples (the same ones on every run). A longer run with
 fresh random examples, e.g. 1000 (300 took 80 s on 2 cores; shrinking a failure takes

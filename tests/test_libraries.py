@@ -1,7 +1,7 @@
 """Models from timm, segmentation-models-pytorch, MONAI and torchvision, unchanged, under a
 real mpiexec vs one process in float64, with the spatial coverage each SP plan must reach
-(tests/cases/library_cases.py). CI runs every model under SP2 and each other plan on two
-models; FXPAR_LIBRARY_MATRIX=1 runs every (model, plan) pair."""
+(tests/cases/library_cases.py). CI runs every model under SP2 and each other plan on one
+model; FXPAR_LIBRARY_MATRIX=1 runs every (model, plan) pair."""
 
 import os
 import sys

@@ -111,7 +111,7 @@ count. `fxpar.compile` warns below 90 % and `Plan(strict=True)` refuses it.
 Library versions: the test extras of `pyproject.toml` (timm, segmentation-models-pytorch with
 a `resnet18` encoder and `encoder_weights=None`, MONAI 2-D nets with small channel counts);
 the exact builders are `MODELS` in `tests/cases/library_cases.py`. `make test` runs every
-model under SP2 and each other plan on two models; `FXPAR_LIBRARY_MATRIX=1 make test` runs
+model under SP2 and each other plan on one model; `FXPAR_LIBRARY_MATRIX=1 make test` runs
 the whole matrix.
 
 {"## Failures" + chr(10) + chr(10) + chr(10).join(failures) if failures else "Every cell passed."}

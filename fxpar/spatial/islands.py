@@ -1,17 +1,24 @@
-"""Channels-last islands: ``permute(0, 2, 3, 1)`` ... ``permute(0, 3, 1, 2)`` blocks whose ops
-only act along the last (channel) dim, as in ConvNeXt::
+"""Per-pixel islands: blocks that leave the (N, C, H, W) layout, only act on each pixel on its
+own, and come back. Two shapes occur in real CNNs:
+
+ConvNeXt's channels-last block (H, W in dims 1, 2)::
 
     x = x.permute(0, 2, 3, 1)          # entry: N, H, W, C
     x = F.layer_norm(x, [C], w, b)     # normalises over C only: per pixel
     x = F.gelu(F.linear(x, w1, b1))    # acts on C only: per pixel
-    x = F.linear(x, w2, b2)
     x = x.permute(0, 3, 1, 2)          # exit: N, C, H, W again
 
+ResNeSt's split attention (a channel dim split in two, H, W stay last)::
+
+    x = x.reshape(N, R, C // R, H, W)  # entry
+    x = x * attention                  # attention: N, R, C // R, 1, 1 (broadcast)
+    x = x.sum(dim=1)                   # exit: N, C // R, H, W
+
 Every op of such a block reads and writes each pixel on its own, so on a tile it is exactly
-the op on that tile's pixels: the block runs on tiles as it is, with H and W in dims 1 and 2
-instead of 2 and 3. :func:`find_islands` returns each member node (entry, inside, exit) of the
-blocks of that shape; anything else reading a member (a reshape, a reduction over H or W, the
-model output) disqualifies the whole block, which then ends the spatial region as before.
+the op on that tile's pixels: the block runs on tiles as it is (a reshape with the tile's H and
+W). :func:`find_islands` returns each member node (entry, inside, exit); anything else reading
+a member (a reduction over H or W, a reshape that mixes them, the model output) disqualifies
+the whole block, which then ends the spatial region as before.
 """
 
 from __future__ import annotations
@@ -26,12 +33,11 @@ from fxpar.spatial.aten_ops import POINTWISE, arg
 aten = torch.ops.aten
 TO_LAST = [0, 2, 3, 1]
 TO_FIRST = [0, 3, 1, 2]
+Dims = tuple[int, int]  # where H and W are, counted from the end (NCHW: (-2, -1))
 
 
-def _perm(n: fx.Node) -> list[int] | None:
-    if n.op != "call_function" or getattr(n.target, "overloadpacket", None) is not aten.permute:
-        return None
-    return [int(d) % 4 for d in arg(n, 1, [])]
+def _packet(n: fx.Node) -> object:
+    return getattr(n.target, "overloadpacket", None) if n.op == "call_function" else None
 
 
 def _shape(n: object) -> tuple[int, ...] | None:
@@ -39,40 +45,76 @@ def _shape(n: object) -> tuple[int, ...] | None:
     return info.shape if info is not None and len(info.shapes) == 1 else None
 
 
-def _per_pixel(n: fx.Node, member: set[fx.Node]) -> bool:
-    """Does ``n`` (reading a channels-last member) act on each pixel alone?"""
+def _entry(n: fx.Node) -> Dims | None:
+    """Where H and W go if ``n`` starts an island, else None."""
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    xs, out = _shape(x), _shape(n)
+    if xs is None or out is None or len(xs) != 4:
+        return None
+    if _packet(n) is aten.permute and [int(d) % 4 for d in arg(n, 1, [])] == TO_LAST:
+        return (-3, -2)
+    if _packet(n) in (aten.reshape, aten.view) and len(out) > 4 and out[0] == xs[0] and \
+            out[-2:] == xs[-2:] and list(arg(n, 1, []))[-2:] == list(xs[-2:]):
+        return (-2, -1)  # a channel dim split: H and W stay last, given explicitly
+    return None
+
+
+def _exit(n: fx.Node, dims: Dims) -> bool:
+    """Does ``n`` take a member back to (N, C, H, W)?"""
+    out = _shape(n)
+    if out is None or len(out) != 4:
+        return False
+    if dims == (-3, -2):
+        return _packet(n) is aten.permute and \
+            [int(d) % 4 for d in arg(n, 1, [])] == TO_FIRST
+    x = _shape(n.args[0])
+    if x is None or out[-2:] != x[-2:] or out[0] != x[0]:
+        return False
+    if _packet(n) in (aten.sum, aten.mean):  # over channel-like dims only
+        reduced = arg(n, 1, [])
+        reduced = [reduced] if isinstance(reduced, int) else list(reduced or [])
+        return bool(reduced) and all(d % len(x) not in (0, len(x) - 2, len(x) - 1)
+                                     for d in reduced)
+    return _packet(n) in (aten.reshape, aten.view) and \
+        list(arg(n, 1, []))[-2:] == list(out[-2:])
+
+
+def _per_pixel(n: fx.Node, member: set[fx.Node], dims: Dims) -> bool:
+    """Does ``n`` (reading a member) act on each pixel alone?"""
     if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
         return False
     packet = n.target.overloadpacket
+    last = dims == (-3, -2)  # channels last: ops along the last dim are per pixel
     if packet is aten.layer_norm:
-        return len(arg(n, 1, [])) == 1  # normalised over C only
+        return last and len(arg(n, 1, [])) == 1  # normalised over C only
     if packet is aten.linear:
-        return n.args[0] in member and not any(a in member for a in n.args[1:])
+        return last and n.args[0] in member and not any(a in member for a in n.args[1:])
     if packet in POINTWISE:
         for a in n.all_input_nodes:  # other operands broadcast along H and W
             shape = _shape(a)
-            if a not in member and a.op != "get_attr" and shape is not None and \
-                    any(s > 1 for s in shape[-3:-1]) and len(shape) >= 3:
+            if a in member or a.op == "get_attr" or shape is None:
+                continue
+            if len(shape) >= -dims[0] and any(shape[d] > 1 for d in dims):
                 return False
         return True
     return False
 
 
 def find_islands(gm: fx.GraphModule) -> dict[fx.Node, str]:
-    """Members of every channels-last island: node -> "entry" | "inside" | "exit"."""
+    """Members of every per-pixel island: node -> "entry" | "inside" | "exit"."""
     out: dict[fx.Node, str] = {}
     for entry in gm.graph.nodes:
-        shape = _shape(entry)
-        if _perm(entry) != TO_LAST or shape is None or len(shape) != 4:
+        dims = _entry(entry)
+        if dims is None:
             continue
         members, exits, todo, ok = {entry}, set(), [entry], True
         while todo and ok:
             for user in todo.pop().users:
                 if user in members or user in exits:
                     continue
-                if _perm(user) == TO_FIRST:
+                if _exit(user, dims):
                     exits.add(user)
-                elif _per_pixel(user, members):
+                elif _per_pixel(user, members, dims):
                     members.add(user)
                     todo.append(user)
                 else:

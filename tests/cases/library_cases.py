@@ -47,11 +47,12 @@ def _tv(name: str, **kw) -> Callable[[], nn.Module]:
     return build
 
 
-def _smp(name: str) -> Callable[[], nn.Module]:
+def _smp(name: str, **kw) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         import segmentation_models_pytorch as smp
 
-        return getattr(smp, name)(encoder_name="resnet18", encoder_weights=None, classes=3)
+        return getattr(smp, name)(encoder_name="resnet18", encoder_weights=None, classes=3,
+                                  **kw)
     return build
 
 
@@ -73,15 +74,19 @@ MODELS: dict[str, Model] = {
     "timm_efficientnet_b0": Model(_timm("efficientnet_b0"), (64, 64), 0.95),
     "timm_convnext_atto": Model(_timm("convnext_atto"), (64, 64), 0.95),
     "timm_regnety_002": Model(_timm("regnety_002"), (64, 64), 0.95),
+    "timm_resnest14d": Model(_timm("resnest14d"), (64, 64), 0.95),
     "timm_tf_efficientnetv2_s": Model(_timm("tf_efficientnetv2_s"), (64, 64), 0.95),
+    # at 80x80 its 3x3 maps make one process's own step-1 gradients move by 2e-7 relative
+    # when the input moves by 1e-15 (measured): 112x112 is well conditioned (1e-9)
     "tv_inception_v3": Model(_tv("inception_v3", aux_logits=False, init_weights=False,
                                  dropout=0.0), (112, 112), 0.95),
-    "tv_convnext_tiny": Model(_tv("convnext_tiny"), (64, 64), 0.95),
+    "tv_convnext_tiny": Model(_tv("convnext_tiny", stochastic_depth_prob=0.0), (64, 64), 0.95),
     "tv_efficientnet_b0": Model(_tv("efficientnet_b0", dropout=0.0,
                                     stochastic_depth_prob=0.0), (64, 64), 0.95),
     "smp_Unet": Model(_smp("Unet"), (64, 64), 0.95, segmentation=True),
-    "smp_FPN": Model(_smp("FPN"), (64, 64), 0.95, segmentation=True),
-    "smp_DeepLabV3Plus": Model(_smp("DeepLabV3Plus"), (64, 64), 0.95, segmentation=True),
+    "smp_FPN": Model(_smp("FPN", decoder_dropout=0.0), (64, 64), 0.95, segmentation=True),
+    "smp_DeepLabV3Plus": Model(_smp("DeepLabV3Plus", decoder_aspp_dropout=0.0), (64, 64), 0.95,
+                               segmentation=True),
     "monai_UNet": Model(_monai("UNet"), (64, 64), 0.95, segmentation=True),
     "monai_SegResNet": Model(_monai("SegResNet"), (64, 64), 0.95, segmentation=True),
     "monai_BasicUNet": Model(_monai("BasicUNet"), (64, 64), 0.95, segmentation=True),
@@ -121,11 +126,11 @@ for _model in MODELS:
 
 
 def ci_subset() -> list[str]:
-    """Every model under SP2; each other plan on a rotating pair of models."""
+    """Every model under SP2; each other plan on one model, in turn (different kinds)."""
     names = [f"case_{m}__sp2" for m in MODELS]
     models = list(MODELS)
     for k, plan in enumerate(p for p in PLANS if p != "sp2"):
-        names += [f"case_{models[(2 * k + j) % len(models)]}__{plan}" for j in range(2)]
+        names.append(f"case_{models[(3 * k + 1) % len(models)]}__{plan}")
     return names
 
 

@@ -10,10 +10,14 @@ printed as it is when it fails::
 
 Value 0 is the input image; node i of ``nodes`` (0-based) makes value i + 1 from the values
 its ``src`` lists. Blocks are drawn one after another from the latest value (the *trunk*):
-conv, max/avg pool, BatchNorm, ReLU, a residual add (1x1 projection when channels or size
-change), a channel concat of two branches (one may be an earlier value of the same size: a
-skip across stages), nearest/bilinear upsampling, adaptive average pooling. The head is a
-global mean (``gap`` module or ``mean`` method) or ``flatten``, then a Linear to ``classes``.
+conv, max/avg pool, BatchNorm, group and instance norm, ReLU, a residual add (1x1 projection
+when channels or size change), a channel concat of two branches (one may be an earlier value
+of the same size: a skip across stages; or an image-level branch as in DeepLab's ASPP: global
+pool, 1x1 conv, interpolated back to the size), nearest/bilinear upsampling, interpolation to
+a size or scale (bilinear with either align_corners), constant / reflect / replicate padding,
+a ConvNeXt-style channels-last block (permute, LayerNorm, Linear, permute), adaptive average
+pooling. The head is a global mean (``gap`` module or ``mean`` method) or ``flatten``, then a
+Linear to ``classes``.
 
 Strategies shrink towards the simplest thing: fewer blocks, ReLU before conv, kernel 1,
 stride 1, padding 0, the trivial plan.
@@ -36,7 +40,38 @@ MAX_EXTENT = 48
 MAX_RANKS = 4
 """The pool's size: every drawn plan needs at most this many ranks."""
 BLOCKS = ("relu", "bn", "conv", "maxpool", "avgpool", "residual", "concat", "upsample",
-          "adaptive")
+          "adaptive", "groupnorm", "instancenorm", "pad", "interpolate", "channels_last")
+NODES = {"channels_last": 4}
+"""Captured (ATen) compute nodes of a spec node, where more than one: permute, layer_norm,
+linear, permute."""
+
+
+class ChannelsLast(nn.Module):
+    """ConvNeXt's per-pixel block: to N, H, W, C; LayerNorm and Linear over C; back."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(c), nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+
+
+class Interpolate(nn.Module):
+    """F.interpolate to a size (or by a scale), nearest or bilinear with either corners."""
+
+    def __init__(self, node: Spec) -> None:
+        super().__init__()
+        self.node = node
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.node
+        corners = n["corners"] if n["mode"] == "bilinear" else None
+        if "size" in n:
+            return nn.functional.interpolate(x, size=tuple(n["size"]), mode=n["mode"],
+                                             align_corners=corners)
+        return nn.functional.interpolate(x, scale_factor=tuple(n["scale"]), mode=n["mode"],
+                                         align_corners=corners)
 
 
 # -- the model a spec builds -------------------------------------------------------------------
@@ -62,6 +97,19 @@ def _module(node: Spec, c_in: int) -> nn.Module:
                            mode=node["mode"])
     if op == "adaptive":
         return nn.AdaptiveAvgPool2d(tuple(node["out"]))
+    if op == "groupnorm":
+        return nn.GroupNorm(node["groups"], c_in)
+    if op == "instancenorm":
+        return nn.InstanceNorm2d(c_in, affine=node["affine"])
+    if op == "pad":
+        pad = tuple(node["pad"])
+        if node["mode"] == "constant":
+            return nn.ConstantPad2d(pad, node["value"])
+        return nn.ReflectionPad2d(pad) if node["mode"] == "reflect" else nn.ReplicationPad2d(pad)
+    if op == "interpolate":
+        return Interpolate(node)
+    if op == "channels_last":
+        return ChannelsLast(c_in)
     raise ValueError(f"unknown fuzz op {op!r}")
 
 
@@ -110,7 +158,8 @@ def build(spec: Spec) -> FuzzNet:
     torch.manual_seed(spec["seed"])
     model = FuzzNet(spec)
     for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
+        if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm, nn.InstanceNorm2d, nn.LayerNorm)) and \
+                m.weight is not None:
             nn.init.uniform_(m.weight, 0.5, 1.5)
             nn.init.uniform_(m.bias, -0.5, 0.5)
     return model
@@ -119,7 +168,8 @@ def build(spec: Spec) -> FuzzNet:
 def compute_nodes(spec: Spec) -> int:
     """Compute nodes of the traced model (what ``Plan.balance`` counts): one per node, then
     the head's (pool + flatten, mean, or flatten) and the Linear."""
-    return len(spec["nodes"]) + {"gap": 2, "mean": 1, "flatten": 1}[spec["head"]] + 1
+    return sum(NODES.get(n["op"], 1) for n in spec["nodes"]) + \
+        {"gap": 2, "mean": 1, "flatten": 1}[spec["head"]] + 1
 
 
 # -- shapes ------------------------------------------------------------------------------------
@@ -240,9 +290,10 @@ def _block(draw: st.DrawFn, g: _Graph) -> None:
     """Append one block to the trunk."""
     x = g.last
     c, (h, w) = g.chans[x], g.sizes[x]
-    kinds = [b for b in BLOCKS if not (b == "bn" and h * w < 2)  # BN needs 2 values/channel
+    kinds = [b for b in BLOCKS if not (b in ("bn", "groupnorm", "instancenorm", "adaptive")
+                                       and h * w < 2)  # norms need 2 values per channel
              and not (b == "upsample" and max(h, w) > MAX_EXTENT // 2)
-             and not (b == "adaptive" and h * w < 2)]
+             and not (b == "pad" and max(h, w) > MAX_EXTENT - 4)]
     kind = draw(st.sampled_from(kinds))
     if kind in ("relu", "bn"):
         g.add({"op": kind, "src": [x]})
@@ -266,9 +317,17 @@ def _block(draw: st.DrawFn, g: _Graph) -> None:
         g.add({"op": "add", "src": [y, skip]})
     elif kind == "concat":
         a = g.add(_same_conv(draw, g, x, draw(st.integers(1, 8))))
-        how = draw(st.sampled_from(["trunk", "maxpool", "avgpool", "earlier"]))
+        how = draw(st.sampled_from(["trunk", "maxpool", "avgpool", "earlier", "pooled"]))
         earlier = [v for v in range(x) if g.sizes[v] == (h, w)]
-        if how in ("maxpool", "avgpool"):
+        if how == "pooled":  # DeepLab's ASPP image branch: global pool, 1x1 conv, back up
+            b = g.add({"op": "adaptive", "src": [x], "out": [1, 1]})
+            b = g.add({"op": "conv", "src": [b], "out": draw(st.integers(1, 8)), "k": [1, 1],
+                       "s": [1, 1], "p": [0, 0], "d": [1, 1], "groups": 1,
+                       "bias": draw(st.booleans())})
+            mode = draw(st.sampled_from(["nearest", "bilinear"]))
+            b = g.add({"op": "interpolate", "src": [b], "mode": mode, "size": [h, w],
+                       "corners": draw(st.booleans())})
+        elif how in ("maxpool", "avgpool"):
             b = g.add({"op": how, "src": [x], "k": [3, 3], "s": [1, 1], "p": [1, 1],
                        "ceil": False, **({"d": [1, 1]} if how == "maxpool"
                                          else {"include_pad": draw(st.booleans())})})
@@ -281,6 +340,32 @@ def _block(draw: st.DrawFn, g: _Graph) -> None:
         scale = draw(st.sampled_from([[2, 2], [2, 1], [1, 2]]))
         g.add({"op": "upsample", "src": [x], "scale": scale,
                "mode": draw(st.sampled_from(["nearest", "bilinear"]))})
+    elif kind == "groupnorm":
+        g.add({"op": kind, "src": [x], "groups": draw(st.sampled_from(_divisors(c)))})
+    elif kind == "instancenorm":
+        g.add({"op": kind, "src": [x], "affine": draw(st.booleans())})
+    elif kind == "pad":  # constant pads run on tiles; reflect / replicate end the region
+        mode = draw(st.sampled_from(["constant", "constant", "reflect", "replicate"]))
+        most = [2 if mode == "constant" else min(2, e - 1) for e in (w, w, h, h)]
+        node = {"op": "pad", "src": [x], "mode": mode,
+                "pad": [draw(st.integers(0, m)) for m in most]}
+        if mode == "constant":
+            node["value"] = draw(st.sampled_from([0.0, 0.5, -1.0]))
+        g.add(node)
+    elif kind == "interpolate":
+        mode = draw(st.sampled_from(["nearest", "bilinear"]))
+        node = {"op": "interpolate", "src": [x], "mode": mode, "corners": draw(st.booleans())}
+        if draw(st.booleans()):
+            node["size"] = [draw(st.integers(max(1, e // 2), min(MAX_EXTENT, 2 * e)))
+                            for e in (h, w)]
+        else:
+            node["scale"] = draw(st.sampled_from([[2.0, 2.0], [1.5, 1.5], [0.5, 2.0]]))
+            if any(int(e * f) < 1 or int(e * f) > MAX_EXTENT
+                   for e, f in zip((h, w), node["scale"], strict=True)):
+                node["scale"] = [1.0, 1.0]
+        g.add(node)
+    elif kind == "channels_last":
+        g.add({"op": kind, "src": [x]})
     else:  # adaptive average pooling to a smaller size: ends a spatial region
         g.add({"op": "adaptive", "src": [x],
                "out": [draw(st.integers(1, h)), draw(st.integers(1, w))]})
