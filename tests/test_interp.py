@@ -1,6 +1,7 @@
 """Interpolation on tiles (fxpar.spatial.interp): every tile's rows, gathered from the window
 its index map asks for, equal the same rows of one device's F.interpolate, for nearest and
-bilinear (both align_corners), integer and fractional scales and target sizes."""
+bilinear (both align_corners), integer and fractional scales and target sizes; and reflect /
+replicate padding, an index map too."""
 
 from __future__ import annotations
 
@@ -58,3 +59,23 @@ def test_a_wrong_index_map_is_caught():
     maps = (AxisMap("bilinear", True, 6, 12, 2.0), AxisMap("bilinear", True, 6, 12, 2.0))
     got = TileInterp(maps, (0, 12), (0, 12), (0, 0))(x)
     assert not torch.allclose(got, y)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+@pytest.mark.parametrize("pad", [(1, 1, 1, 1), (2, 0, 1, 3), (0, 3, 0, 0)])
+def test_padding_tiles_equal_one_device(mode, pad):
+    """Reflect / replicate padding as an index map: each tile of the padded image, gathered
+    from its window (which never leaves the image), equals one device's F.pad exactly."""
+    x = torch.randn(2, 3, 7, 5, dtype=torch.float64)
+    y = F.pad(x, pad, mode=mode)
+    left, _, top, _ = pad
+    maps = (AxisMap(mode, False, 7, y.shape[2], None, top),
+            AxisMap(mode, False, 5, y.shape[3], None, left))
+    for parts_h, parts_w in ((1, 2), (3, 1), (2, 3)):
+        for a, b in itertools.product(range(parts_h), range(parts_w)):
+            rows, cols = tile(y.shape[2], parts_h, a), tile(y.shape[3], parts_w, b)
+            nh, nw = maps[0].needs(rows), maps[1].needs(cols)
+            assert 0 <= nh[0] < nh[1] <= 7 and 0 <= nw[0] < nw[1] <= 5
+            got = TileInterp(maps, rows, cols, (nh[0], nw[0]))(x[:, :, nh[0]:nh[1],
+                                                                  nw[0]:nw[1]])
+            assert torch.equal(got, y[:, :, rows[0]:rows[1], cols[0]:cols[1]])

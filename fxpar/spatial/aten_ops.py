@@ -20,7 +20,7 @@ from torch import fx
 from fxpar import meta
 from fxpar.capture import BatchNormOp, DropoutOp
 from fxpar.meta import TensorInfo
-from fxpar.spatial.interp import AxisMap
+from fxpar.spatial.interp import PADS, AxisMap
 from fxpar.spatial.opkind import BatchNorm, Mean, Norm, Op, Pointwise, Window
 
 aten = torch.ops.aten
@@ -123,7 +123,7 @@ def classify_aten(n: fx.Node) -> Op | None:
             return None  # running statistics: mode-dependent, not handled on tiles
         return Norm(x[1], float(arg(n, 7, 1e-5)), 1, 2)
     if packet is aten.adaptive_avg_pool2d:
-        return Mean(True) if _pair(arg(n, 1, None)) == (1, 1) else None
+        return _adaptive(n)
     if packet is aten.mean and f is aten.mean.dim:
         dims = arg(n, 1, None)
         dims = [dims] if isinstance(dims, int) else list(dims or [])
@@ -156,14 +156,36 @@ def _pad(n: fx.Node) -> Op | None:
     pad = list(arg(n, 1, []))
     if not any(pad):
         return Pointwise()  # padding by nothing (MONAI's UpCat when the sizes already match)
-    if mode != "constant":
-        return None
-    value = arg(n, 3 if n.target.overloadpacket is aten.pad else 2, 0.0)
     left, right, top, bottom = (pad + [0, 0, 0, 0])[:4]
     if len(pad) > 4:
         return None  # padding of the batch or channel dims
+    if mode in PADS:  # an index map per dim (fxpar.spatial.interp): border tiles pad
+        x, out = _shape(n.args[0]), _shape(n)
+        if x is None or out is None or len(x) != 4:
+            return None
+        maps = tuple(AxisMap(mode, False, x[i], out[i], None, before)
+                     for i, before in ((2, top), (3, left)))
+        return Window("interp", (1, 1), (1, 1), (0, 0), attrs=(("maps", maps),))
+    if mode != "constant":
+        return None  # circular: a tile at one border would read the other
+    value = arg(n, 3 if n.target.overloadpacket is aten.pad else 2, 0.0)
     return Window("pad", (1, 1), (1, 1), (top, left), fill=float(value or 0.0),
                   attrs=(("pad", (left, right, top, bottom)),))
+
+
+def _adaptive(n: fx.Node) -> Op | None:
+    """Adaptive average pooling: to 1x1 a global mean; to a size that divides the input an
+    average pool with kernel = stride = input / output (the same bins); else not tiled (its
+    bins overlap and vary in size)."""
+    out, x = _pair(arg(n, 1, None)), _shape(n.args[0])
+    if out == (1, 1):
+        return Mean(True)
+    if x is None or len(x) != 4 or any(e % o for e, o in zip(x[2:], out, strict=True)):
+        return None
+    k = (x[2] // out[0], x[3] // out[1])
+    return Window("avgpool", k, k, (0, 0), attrs=(("ceil_mode", False),
+                                                  ("count_include_pad", True),
+                                                  ("divisor_override", None)))
 
 
 def _upsample(n: fx.Node) -> Op | None:
@@ -197,9 +219,11 @@ def why_not_aten(n: fx.Node) -> str:
         return ("instance norm with running statistics (track_running_stats=True) is not "
                 "tiled; without them it is")
     if name in ("adaptive_avg_pool2d", "adaptive_max_pool2d"):
-        return "only adaptive average pooling to 1x1 (a global mean) runs on tiles"
+        return ("only adaptive average pooling to 1x1 (a global mean) or to a size that "
+                "divides the input's runs on tiles")
     if name in ("pad", "constant_pad_nd", "reflection_pad2d", "replication_pad2d"):
-        return "only constant padding of H and W runs on tiles"
+        return ("only constant, reflect and replicate padding of H and W run on tiles "
+                "(circular padding would make a border tile read the opposite border)")
     if name.startswith("upsample"):
         return "only nearest and bilinear interpolation of H and W run on tiles"
     if name in ("view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",

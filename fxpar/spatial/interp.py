@@ -1,4 +1,5 @@
-"""Nearest and bilinear interpolation on tiles: any scale, a target size, both align_corners.
+"""Nearest and bilinear interpolation on tiles (any scale, a target size, both align_corners),
+and reflect / replicate padding, as index maps.
 
 Interpolation is a separable index map: output row o reads input rows ``i0(o)`` and ``i1(o)``
 with weights ``1 - l(o)`` and ``l(o)`` (nearest: one row, weight 1). The map is the one
@@ -9,6 +10,10 @@ PyTorch's kernels use (ATen/native/UpSample.h), computed in the same precision:
   when the call gave one, else ``in / out``; ``i0 = floor(src)``, ``i1 = i0 + (i0 < in - 1)``;
 - nearest: ``o`` when out = in, ``o // 2`` when out = 2 in, else
   ``min(floor(o * scale), in - 1)`` in float32.
+
+Reflect and replicate padding are index maps too (``i0 = i1``, weight 1): output row ``o``
+copies input row ``o - before``, reflected (``-i``, ``2 (in - 1) - i``) or clamped at the
+border, so only the border tiles pad and the others read a halo as for any window.
 
 A tile's output rows need the input rows from ``i0(first)`` to ``i1(last)``: that window is
 what the halo exchange brings (never past the image: every index is inside it); the tile then
@@ -26,16 +31,20 @@ from torch import nn
 
 from fxpar.spatial.geometry import Interval
 
+PADS = ("reflect", "replicate")
+
 
 @dataclass(frozen=True)
 class AxisMap:
     """The index map of one spatial dim: ``size_in`` -> ``size_out`` rows."""
 
-    mode: str  # "nearest" | "bilinear"
+    mode: str  # "nearest" | "bilinear" | "reflect" | "replicate" (padding)
     align_corners: bool
     size_in: int
     size_out: int
     scale: float | None  # the call's scale factor, if it gave one
+    before: int = 0
+    """Padding: rows added before row 0 (``size_out - size_in - before`` after the end)."""
 
     def _scale(self, dtype: torch.dtype) -> torch.Tensor:
         if self.mode == "bilinear" and self.align_corners:
@@ -50,6 +59,14 @@ class AxisMap:
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(i0, i1, lambda1) for output rows ``rows`` (global input indices)."""
         o = torch.arange(rows[0], rows[1])
+        if self.mode in PADS:  # a copy of one input row: reflected or clamped at the border
+            i0 = o - self.before
+            if self.mode == "reflect":
+                i0 = i0.abs()
+                i0 = torch.where(i0 >= self.size_in, 2 * (self.size_in - 1) - i0, i0)
+            else:
+                i0 = i0.clamp(0, self.size_in - 1)
+            return i0, i0, torch.zeros(len(o), dtype=dtype)
         if self.mode == "nearest":
             if self.size_out == self.size_in:
                 i0 = o
@@ -95,7 +112,7 @@ class TileInterp(nn.Module):
                 start: int) -> torch.Tensor:
         i0, i1, lam = m.indices(out, x.dtype)
         a = x.index_select(dim, (i0 - start).to(x.device))
-        if m.mode == "nearest":
+        if m.mode == "nearest" or m.mode in PADS:
             return a
         b = x.index_select(dim, (i1 - start).to(x.device))
         shape = [1] * x.dim()

@@ -344,7 +344,7 @@ def _block(draw: st.DrawFn, g: _Graph) -> None:
         g.add({"op": kind, "src": [x], "groups": draw(st.sampled_from(_divisors(c)))})
     elif kind == "instancenorm":
         g.add({"op": kind, "src": [x], "affine": draw(st.booleans())})
-    elif kind == "pad":  # constant pads run on tiles; reflect / replicate end the region
+    elif kind == "pad":  # constant, reflect and replicate pads run on tiles
         mode = draw(st.sampled_from(["constant", "constant", "reflect", "replicate"]))
         most = [2 if mode == "constant" else min(2, e - 1) for e in (w, w, h, h)]
         node = {"op": "pad", "src": [x], "mode": mode,
