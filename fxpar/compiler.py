@@ -119,7 +119,6 @@ def compile(  # noqa: A001 - the public name the design fixes
     *,
     loss_fn: LossFn = F.cross_entropy,
     optimizer: OptimizerFactory | None = None,
-    leaf_modules: Sequence[type[nn.Module]] = (),
     init: InitFn | None = None,
     seed: int = 0,
     after_pass: Callable[[str, fx.GraphModule], None] | None = None,
@@ -131,7 +130,6 @@ def compile(  # noqa: A001 - the public name the design fixes
         programs train on global batches of exactly this size.
     loss_fn: ``loss_fn(output, target)``, the mean over its batch (as ``F.cross_entropy``).
     optimizer: ``optimizer(params) -> torch.optim.Optimizer``; None computes gradients only.
-    leaf_modules: module types to keep opaque (not traced into).
     init, seed: for a model built on the ``meta`` device, each rank materialises only its own
         stages' modules (in ``program.for_rank``), each by ``reset_parameters()`` -- or
         ``init(qualified_name, module)`` when given -- under a seed from ``seed`` and the
@@ -155,7 +153,7 @@ def compile(  # noqa: A001 - the public name the design fixes
     else:
         example = torch.empty(mb_shape, device="meta",
                               dtype=next((p.dtype for p in model.parameters()), torch.float32))
-    gm = trace(model, example, leaf_modules=leaf_modules)  # shapes are per micro-batch
+    gm = trace(model, example)  # shapes are per micro-batch
     gm = run_passes(gm, plan, PASSES, after=after_pass)
     check_coverage(gm, plan)
     graph = build_stages(gm)

@@ -52,7 +52,6 @@ from fxpar.spatial.ops import (
     Join,
     TileBatchNorm,
     spatial_mean,
-    sync_batch_norm,
 )
 
 if TYPE_CHECKING:
@@ -75,7 +74,7 @@ class _HaloLeaves(fx.Tracer):
     fxpar's spatial ops as single nodes."""
 
     def __init__(self) -> None:
-        super().__init__(autowrap_functions=(sync_batch_norm, spatial_mean))
+        super().__init__(autowrap_functions=(spatial_mean,))
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return isinstance(m, (Halo, HaloOp, Join, AvgDivisor, TileBatchNorm, TileGroupNorm,

@@ -33,7 +33,6 @@ from fxpar.spatial.ops import (
     Join,
     TileBatchNorm,
     spatial_mean,
-    sync_batch_norm,
 )
 
 if TYPE_CHECKING:
@@ -53,7 +52,7 @@ SPECIAL = {
 }
 """Node styles of the ops that communicate inside a spatial stage."""
 SPECIAL_LABEL = {"halo": "halo exchange (Halo / HaloOp)", "join": "join (gather tiles)",
-                 "sync": "sync_batch_norm / spatial_mean (allreduce)"}
+                 "sync": "BatchNorm / GroupNorm statistics, spatial mean (allreduce)"}
 TRANSFER = {"color": "#d62728", "fontcolor": "#d62728", "penwidth": "2.5", "style": "bold"}
 """Edge style of a tensor sent between stages (SEND_F/RECV_F; its gradient goes back)."""
 
@@ -72,7 +71,7 @@ def special_kind(gm: fx.GraphModule, n: fx.Node) -> str | None:
             return "join"
         if isinstance(mod, (TileBatchNorm, TileGroupNorm)):
             return "sync"
-    if n.target in (sync_batch_norm, spatial_mean):
+    if n.target is spatial_mean:
         return "sync"
     return None
 

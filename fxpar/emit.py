@@ -15,8 +15,8 @@ one opaque blob), and does not import functions the graph calls from outside tor
 halo ops), so its folders neither move nor import. Here the code comes from torch.fx's own code
 generator (``graph.python_code``), every global it names is imported, and each submodule is
 written as its constructor call: torch.nn layers from their repr (checked at save time by
-building them again and comparing), fxpar's halo/join ops from their ``emit_args``. Only a
-module neither covers (a user's leaf module) is pickled next to the code, with a comment.
+building them again and comparing), fxpar's own ops from their ``emit_args``. Captured stages
+hold nothing else (user modules are traced through to ATen ops), so nothing is pickled.
 """
 
 from __future__ import annotations
@@ -183,12 +183,10 @@ def _tensor_ctor(t: torch.Tensor) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class StageSource:
-    """One stage module as files: ``module.py`` and what weights.pt / blobs hold."""
+    """One stage module as files: ``module.py`` and what weights.pt holds."""
 
     code: str
     weights: dict[str, torch.Tensor]
-    blobs: dict[str, nn.Module]
-    """Modules written pickled (``<name>.pt`` next to module.py), by attribute path."""
 
 
 def _referenced(gm: fx.GraphModule) -> list[str]:
@@ -240,17 +238,13 @@ def stage_source(gm: fx.GraphModule, class_name: str, header: str) -> StageSourc
             imp.name(obj, name)
     init: list[str] = []
     weights: dict[str, torch.Tensor] = {}
-    blobs: dict[str, nn.Module] = {}
     for path in _referenced(gm):
         obj = _get(gm, path)
-        note = ""
         if isinstance(obj, nn.Module):
             try:
                 expr = _constructor(obj, imp)
             except _NotEmittable as e:
-                blobs[path] = obj
-                expr = f"torch.load(_HERE / {path + '.pt'!r}, weights_only=False)"
-                note = f"  # pickled: {e}"
+                raise PlanError(f"stage module {path!r} cannot be written as code: {e}") from e
             weights.update({f"{path}.{k}": v for k, v in obj.state_dict().items()})
         elif isinstance(obj, nn.Parameter):
             expr = f"torch.nn.Parameter({_tensor_ctor(obj)}" + \
@@ -262,7 +256,7 @@ def stage_source(gm: fx.GraphModule, class_name: str, header: str) -> StageSourc
         else:
             raise PlanError(f"stage attribute {path} is a {type(obj).__name__}: fxpar can "
                             f"only save modules and tensors")
-        init.append(f"        put(self, {path!r}, {expr}){note}")
+        init.append(f"        put(self, {path!r}, {expr})")
     imp.lines.add("from fxpar.emit import put")
     imp.lines.add("from pathlib import Path")
     forward = "\n".join("    " + line if line else "" for line in body.splitlines())
@@ -292,7 +286,7 @@ def load(map_location: str | torch.device = "cpu") -> {class_name}:
     module.load_state_dict(state)
     return module.to(map_location)
 '''
-    return StageSource(text, {k: v.detach() for k, v in weights.items()}, blobs)
+    return StageSource(text, {k: v.detach() for k, v in weights.items()})
 
 
 # -- the program as data ----------------------------------------------------------------------
@@ -427,8 +421,6 @@ def save(program: Program, folder: str | os.PathLike[str],
             _write(sdir / "module.py", src.code)
             _write(sdir / "__init__.py", "from .module import *  # noqa: F403\n")
             _save_tensor_file(sdir / "weights.pt", src.weights)
-            for path, blob in src.blobs.items():
-                _save_tensor_file(sdir / f"{path}.pt", blob)
             rank_info["stages"][stage_folder(c, s)] = {"copy": c, "stage": s}
         _write(rdir / "rank.json", json.dumps(rank_info, indent=1) + "\n")
         _write(rdir / "actions.txt", _actions_text(program, rank))

@@ -26,7 +26,6 @@ from fxpar.spatial.ops import (
     Join,
     TileBatchNorm,
     spatial_mean,
-    sync_batch_norm,
 )
 from fxpar.trace import TraceError
 from passes.spatial_region import SpatialLayout
@@ -103,8 +102,6 @@ def halo_note(gm: fx.GraphModule, n: fx.Node) -> str:
             return "BatchNorm statistics: allreduce over tiles"
         if isinstance(mod, TileGroupNorm):
             return "GroupNorm statistics: allreduce over tiles"
-    if n.target is sync_batch_norm:
-        return "BatchNorm statistics: allreduce over tiles"
     if n.target is spatial_mean:
         return "spatial mean: allreduce over tiles"
     return ""

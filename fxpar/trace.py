@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,52 +28,6 @@ from fxpar import meta
 from fxpar.capture import TraceError
 from fxpar.capture import capture as capture_model
 from fxpar.meta import NodeCost, TensorInfo
-
-
-class _Tracer(fx.Tracer):
-    """fx.Tracer that treats user-named module types as leaves and, when tracing fails,
-    says which module failed (the innermost one) and how to make it a leaf."""
-
-    def __init__(self, leaf_modules: Sequence[type[nn.Module]]) -> None:
-        super().__init__()
-        self.leaf_types = tuple(leaf_modules)
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, self.leaf_types) or super().is_leaf_module(m, module_qualified_name)
-
-    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
-                    kwargs: dict[str, Any]) -> Any:
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except TraceError:
-            raise
-        except Exception as e:  # noqa: BLE001 - re-raised with the module named
-            name = self.path_of_module(m)
-            raise TraceError(_untraceable(f"module {name!r} ({type(m).__name__})", type(m), e)
-                             ) from e
-
-
-def _untraceable(what: str, cls: type, e: Exception) -> str:
-    return (f"torch.fx cannot trace {what}: {type(e).__name__}: {e}\n"
-            f"Usually this is Python control flow or a shape computation on a tensor value. "
-            f"Rewrite that code with tensor ops, or mark the module as a leaf so fxpar runs it "
-            f"as one opaque op: fxpar.compile(..., leaf_modules=[{cls.__name__}]) "
-            f"(a leaf cannot be split across stages or tiles).")
-
-
-def symbolic_trace(model: nn.Module,
-                   leaf_modules: Sequence[type[nn.Module]] = ()) -> fx.GraphModule:
-    """Trace ``model`` into a GraphModule whose submodules and parameters are the model's own
-    (shared, not copied) and whose qualified names match the model's."""
-    check_model(model)
-    tracer = _Tracer(leaf_modules)
-    try:
-        graph = tracer.trace(model)
-    except TraceError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise TraceError(_untraceable(f"{type(model).__name__}.forward", type(model), e)) from e
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 def check_model(model: nn.Module) -> None:
@@ -180,29 +133,23 @@ def analyze(gm: fx.GraphModule, *example_inputs: torch.Tensor | Sequence[int]) -
     return gm
 
 
-def trace(model: nn.Module, *example_inputs: torch.Tensor | Sequence[int],
-          leaf_modules: Sequence[type[nn.Module]] = (),
-          capture: str | None = None) -> fx.GraphModule:
-    """Trace ``model`` and analyse it on fake copies of ``example_inputs``.
+def trace(model: nn.Module, *example_inputs: torch.Tensor | Sequence[int]) -> fx.GraphModule:
+    """Capture ``model`` (torch.export on a fake input, fxpar.capture) and analyse it on fake
+    copies of ``example_inputs``: an ATen-level graph with shapes and costs on every node.
 
     ``example_inputs`` may be real tensors, ``meta`` tensors, or plain shapes such as
     ``(8, 3, 16384, 16384)``: only their shapes and dtypes are used.
-    capture: "export" (ATen-level graph through torch.export, fxpar.capture) or "fx"
-        (module-level torch.fx symbolic trace); default: env FXPAR_CAPTURE, else "export".
-        ``leaf_modules`` (kept opaque) only exist for "fx".
     """
-    how = capture or os.environ.get("FXPAR_CAPTURE", "export")
-    if how == "export" and not leaf_modules:
-        first = next(iter(model.parameters()), None)
-        dtype = first.dtype if first is not None else torch.float32
-        examples = [x if isinstance(x, torch.Tensor) else torch.empty(tuple(x), dtype=dtype,
-                                                                      device="meta")
-                    for x in example_inputs]
-        if len(examples) != 1:
-            raise TraceError(f"fxpar captures models of one input tensor, got "
-                             f"{len(examples)} example inputs")
-        return analyze(capture_model(model, examples[0]), *example_inputs)
-    return analyze(symbolic_trace(model, leaf_modules), *example_inputs)
+    check_model(model)
+    first = next(iter(model.parameters()), None)
+    dtype = first.dtype if first is not None else torch.float32
+    examples = [x if isinstance(x, torch.Tensor) else torch.empty(tuple(x), dtype=dtype,
+                                                                  device="meta")
+                for x in example_inputs]
+    if len(examples) != 1:
+        raise TraceError(f"fxpar captures models of one input tensor, got "
+                         f"{len(examples)} example inputs")
+    return analyze(capture_model(model, examples[0]), *example_inputs)
 
 
 def totals(gm: fx.GraphModule) -> NodeCost:

@@ -2,7 +2,7 @@
 
 This is the network of torchgpipe's ``benchmarks/models/amoebanet`` (itself following the
 TensorFlow TPU reference implementation), written as an ordinary single-device model so that
-fxpar can trace it with ``torch.fx.symbolic_trace`` and parallelise it without the model knowing.
+fxpar can capture it (``torch.export``) and parallelise it without the model knowing.
 
 Layout (``L = num_layers``, ``F = num_filters``, ``c = F // 4``)::
 

@@ -3,16 +3,16 @@
 Runs once per tile on a stage module whose nodes carry ``SpatialLayout`` (from
 ``spatial_region``) and ``TensorInfo`` (global shapes). Before (a 3x3 convolution)::
 
-    conv1 = self.conv1(x)
+    conv2d = torch.ops.aten.conv2d.default(x, conv1_weight, None, [1, 1], [1, 1])
 
-after, for tile t of a 2x2 grid (the window includes the halo and, at the image border, the
-padding the rank fills itself; the convolution then runs with padding 0)::
+after, for tile t of a 2x2 grid: one ``HaloOp`` exchanges the halo (at the image border the
+rank fills the padding itself) and runs the convolution with padding 0 on the window::
 
-    fxpar_halo_0 = self.fxpar_halo_0(x)         # Halo: rows -1:17 cols 15:33 <- tiles 0, 2, 3
-    conv1 = torch.conv2d(fxpar_halo_0, self.conv1.weight, self.conv1.bias, (1, 1), 0, ...)
+    fxpar_halo_0 = self.fxpar_halo_0(x, conv1_weight)   # rows -1:17 cols 15:33 <- tiles 1, 2, 3
 
-BatchNorm becomes ``sync_batch_norm`` (global statistics), a global mean ``spatial_mean``, and
-a node outside the region that reads a tile gets a ``Join`` first. Halo modules are printed
+BatchNorm and group norm become ``TileBatchNorm`` / ``TileGroupNorm`` (global statistics),
+a global mean ``spatial_mean``, an interpolation or reflect padding ``TileInterp``, and a node
+outside the region that reads a tile gets a ``Join`` first. Halo modules are printed
 with their widths per side (``fxpar-inspect``).
 """
 
@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import fx
 
 from fxpar import meta
-from fxpar.capture import BatchNormOp
 from fxpar.meta import TensorInfo
 from fxpar.spatial.aten_ops import arg
 from fxpar.spatial.geometry import Exchange, Grid, Rect, avg_counts, exchange
@@ -41,7 +40,6 @@ from fxpar.spatial.ops import (
     Join,
     TileBatchNorm,
     spatial_mean,
-    sync_batch_norm,
 )
 from passes.spatial_region import SpatialLayout
 from passes.split_stages import model_output
@@ -106,7 +104,7 @@ def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
     for u in range(ctx.grid.size):
         r = ctx.grid.tile_rect(out_ext, u)
         need = Rect(op.needs(r.h, 0), op.needs(r.w, 1))
-        if op.kind in ("bilinear", "interp"):  # border rows repeat (clamp): no fill past it
+        if op.kind == "interp":  # border rows repeat (clamp, reflect): no fill past it
             need = need.intersect(image) or need
         needs.append(need)
     own = ctx.grid.tile_rect(out_ext, ctx.tile)
@@ -130,8 +128,7 @@ def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, needs: list[Rect], own
     ex = exchange(ctx.grid, in_ext, needs, ctx.tile, op.fill)
     args: tuple[Any, ...] = (x,)
     if op.kind == "conv":
-        m, w, b = _weights(ctx, n)
-        groups = m["groups"] if isinstance(m, dict) else m.groups
+        groups, w, b = _weights(n)
         cfg = {"stride": op.s, "dilation": op.d, "groups": groups}
         args = (x, w) if b is None else (x, w, b)
     elif op.kind == "maxpool":
@@ -161,23 +158,15 @@ def _replace(g: fx.Graph, old: fx.Node, new: fx.Node) -> None:
     g.erase_node(old)
 
 
-def _weights(ctx: _Ctx, n: fx.Node) -> tuple[Any, Any, Any]:
-    """(module, weight node, bias node) of a conv node (call_module or F.conv2d)."""
-    g = ctx.gm.graph
-    if n.op == "call_module":
-        m = ctx.gm.get_submodule(str(n.target))
-        w = g.get_attr(f"{n.target}.weight")
-        b = g.get_attr(f"{n.target}.bias") if m.bias is not None else None
-        return m, w, b
-    if isinstance(n.target, torch._ops.OpOverload):  # aten.conv2d / convolution / ...
-        names = [a.name for a in n.target._schema.arguments]
-        pos = names.index("groups")
-        groups = n.args[pos] if len(n.args) > pos else n.kwargs.get("groups", 1)
-        bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-        return {"groups": groups}, n.args[1], bias
+def _weights(n: fx.Node) -> tuple[int, Any, Any]:
+    """(groups, weight node, bias node) of an ATen convolution node (conv2d, convolution,
+    conv_transpose2d: their schemas name ``groups``)."""
+    assert isinstance(n.target, torch._ops.OpOverload), n.target
+    names = [a.name for a in n.target._schema.arguments]
+    pos = names.index("groups")
+    groups = n.args[pos] if len(n.args) > pos else n.kwargs.get("groups", 1)
     bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
-    groups = n.args[6] if len(n.args) > 6 else n.kwargs.get("groups", 1)
-    return {"groups": groups}, n.args[1], bias
+    return int(groups), n.args[1], bias
 
 
 def _crop(g: fx.Graph, x: fx.Node, h: tuple[int, int], w: tuple[int, int]) -> fx.Node:
@@ -195,20 +184,12 @@ def _tile_op(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect, need: R
         interp = TileInterp(op.attr("maps"), own.h, own.w, (need.h[0], need.w[0]))
         return g.call_module(ctx.add("interp", interp), (win,))
     if op.kind == "convT":
-        m, w, b = _weights(ctx, n)
-        groups = m["groups"] if isinstance(m, dict) else m.groups
+        groups, w, b = _weights(n)
         full = g.call_function(F.conv_transpose2d, (win, w, b, s, 0, 0, groups, d))
         base = (need.h[0] * s[0] - op.p[0], need.w[0] * s[1] - op.p[1])
         return _crop(g, full, (own.h[0] - base[0], own.h[1] - base[0]),
                      (own.w[0] - base[1], own.w[1] - base[1]))
-    mode = "nearest" if op.kind == "nearest" else "bilinear"
-    kw = {"scale_factor": (float(s[0]), float(s[1])), "mode": mode}
-    if mode == "bilinear":
-        kw["align_corners"] = False
-    up = g.call_function(F.interpolate, (win,), kw)
-    base = (need.h[0] * s[0], need.w[0] * s[1])
-    return _crop(g, up, (own.h[0] - base[0], own.h[1] - base[0]),
-                 (own.w[0] - base[1], own.w[1] - base[1]))
+    raise AssertionError(f"no tile rule for window kind {op.kind!r}")
 
 
 def _as_tile(ctx: _Ctx, n: fx.Node, a: Any) -> Any:
@@ -299,17 +280,8 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
                 _tile_norm(ctx, n, op)
             elif getattr(n.target, "overloadpacket", None) in (aten.reshape, aten.view):
                 _tile_reshape(ctx, n)  # inside a per-pixel island: the tile's H and W
-            elif isinstance(op, BatchNorm) and n.op == "call_module" and \
-                    isinstance(gm.get_submodule(str(n.target)), BatchNormOp):
+            elif isinstance(op, BatchNorm):  # fxpar.capture's BatchNormOp
                 _tile_batch_norm(ctx, n)
-            elif isinstance(op, BatchNorm):
-                with gm.graph.inserting_before(n):
-                    bn = gm.graph.get_attr(op.path)
-                    shape = _shape(n)
-                    x = _as_tile(ctx, n, n.args[0])  # the input image is whole: my tile
-                    new = gm.graph.call_function(
-                        sync_batch_norm, (x, bn, key, shape[0] * shape[2] * shape[3]))
-                _replace(gm.graph, n, new)
             continue
         tiled_ins = [a for a in n.all_input_nodes if _tiled(a) and a not in ctx.replicated]
         if not tiled_ins:

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from errors_triggers import (
     DataDependent,
     FakeComm,
-    Gate,
     Gated,
     Twice,
     agree,
@@ -182,10 +181,6 @@ CATALOGUE: list[Entry] = [
           "The message names the innermost module and the source line: rewrite that choice "
           "with tensor ops (torch.where, masks).",
           lambda: build(model=Gated())),
-    Entry("model-data-dependent-leaf", "model", "a leaf module's control flow reads tensor "
-          "values", TraceError, r"depends on tensor values",
-          "fxpar analyses on shapes only: express the choice with tensor ops (torch.where).",
-          lambda: build(model=Gated(), leaf_modules=[Gate])),
     Entry("model-shape", "model", "the example input does not fit the model", TraceError,
           r"could not capture Sequential in module '0' \(Conv2d\): RuntimeError: .*expected "
           r"input",

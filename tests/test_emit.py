@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 import torchvision.models as tvm
-from torch import nn
 
 import fxpar
 from fxpar.emit import load, rank_sources, save
@@ -112,31 +111,6 @@ def test_wrong_world_size_is_a_clear_error(saved):
         load(root, FakeComm())
     with pytest.raises(fxpar.PlanError, match="not a saved fxpar program"):
         load(root / "rank00000")
-
-
-class Scale(nn.Module):
-    """A user leaf module with no constructor fxpar can write: pickled next to the code."""
-
-    def __init__(self, k):
-        super().__init__()
-        self.k = nn.Parameter(torch.full((1,), float(k)))
-
-    def forward(self, x):
-        return x * self.k
-
-
-
-def test_unknown_leaf_module_is_pickled_with_a_comment(tmp_path):
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), Scale(3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
-    program = _compile(model.double(), fxpar.Plan(), shape=(1, 3, 8, 8),
-                       leaf_modules=[Scale])
-    save(program, tmp_path)
-    code = (tmp_path / "rank00000/c0_s0/module.py").read_text()
-    assert "put(self, '1', torch.load(_HERE / '1.pt', weights_only=False))  # pickled: Scale" \
-        " is not a torch.nn layer" in code
-    rp = load(tmp_path, rank=0)
-    x = torch.randn(1, 3, 8, 8, dtype=torch.float64)
-    torch.testing.assert_close(rp.forward(x), model(x), rtol=0, atol=0)
 
 
 def test_meta_built_model_saves_real_weights(tmp_path):

@@ -205,7 +205,7 @@ def test_dot_has_a_cluster_per_stage_coloured_nodes_and_marked_transfers(capsys,
     assert "tile module of a 1x2 grid" in text and "ranks 0, 1" in text
     # halo, BN sync and join nodes carry their own shapes
     assert re.search(r"s0_fxpar_halo_\d+ \[label=\"fxpar_halo_\d+\\nHaloOp.*shape=octagon", text)
-    assert re.search(r"label=\"sync_batch_norm.*shape=hexagon", text)
+    assert re.search(r"label=\"fxpar_syncbn_\d+\\nTileBatchNorm.*shape=hexagon", text)
     assert re.search(r"label=\"fxpar_join_\d+.*shape=invtrapezium", text)
     # one bold red edge per transfer, labelled with shape and bytes
     prog = spatial_program(net)

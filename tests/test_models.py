@@ -1,14 +1,14 @@
-"""Tests of the model zoo: shapes, fx-traceability, eager/traced agreement, gradients, sizes.
+"""Tests of the model zoo: shapes, capture, eager/captured agreement, gradients, sizes.
 
-The compiler relies on every zoo model tracing with ``torch.fx.symbolic_trace`` into a graph of
-real ops that computes exactly what the eager model computes; these tests pin that down on tiny
-configurations so the whole file runs in a few seconds on CPU.
+The compiler relies on every zoo model capturing (``fxpar.trace``: torch.export on a fake
+input) into an ATen graph that computes exactly what the eager model computes, in training and
+in eval mode, BatchNorm updates included; these tests pin that down on tiny configurations so
+the whole file runs in a few seconds on CPU.
 """
 
 from __future__ import annotations
 
 import copy
-import operator
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+import fxpar
 import models
 from models.amoebanet import FactorizedReduce, amoebanetd, stack_sizes
 from models.resnet_v2 import resnet110_v2, resnet_v2
@@ -68,7 +69,7 @@ def test_traced_matches_eager(name, train):
     with torch.no_grad():  # non-trivial BatchNorm running statistics for the eval case
         model.train()
         model(torch.randn_like(x))
-    traced = fx.symbolic_trace(copy.deepcopy(model))
+    traced = fxpar.trace(copy.deepcopy(model), x)  # captured in training mode, as compile does
     assert isinstance(traced, fx.GraphModule)
     model.train(train)
     traced.train(train)
@@ -98,20 +99,20 @@ def test_backward_reaches_every_parameter(name):
         assert p.grad.abs().sum() > 0, f"zero gradient for {pname}"
 
 
-def _graph_ops(gm: fx.GraphModule) -> tuple[set[type], set[object]]:
-    module_types = {type(gm.get_submodule(n.target)) for n in gm.graph.nodes
-                    if n.op == "call_module"}
-    functions = {n.target for n in gm.graph.nodes if n.op == "call_function"}
-    return module_types, functions
+def _graph_ops(model: nn.Module, shape: tuple[int, ...]) -> set[str]:
+    """The ops of ``model``'s captured graph: ATen packets and fxpar's own modules."""
+    gm = fxpar.trace(model, shape)
+    return {str(n.target.overloadpacket).removeprefix("aten.") for n in gm.graph.nodes
+            if n.op == "call_function" and hasattr(n.target, "overloadpacket")} | \
+        {type(gm.get_submodule(n.target)).__name__ for n in gm.graph.nodes
+         if n.op == "call_module"}
 
 
 def test_amoebanet_graph_exposes_real_ops():
     model = amoebanetd(num_classes=10, num_layers=1, num_filters=8)
-    modules, functions = _graph_ops(fx.symbolic_trace(model))
-    assert {nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d, nn.AvgPool2d, nn.Linear} <= modules
-    assert nn.AdaptiveAvgPool2d in modules
-    assert torch.cat in functions
-    assert operator.add in functions
+    ops = _graph_ops(model, (2, 3, 32, 32))
+    assert {"conv2d", "BatchNormOp", "max_pool2d", "avg_pool2d", "linear",
+            "adaptive_avg_pool2d", "cat", "add"} <= ops
     pools = [m for m in model.modules() if isinstance(m, nn.MaxPool2d)]
     assert any(m.kernel_size == 3 and m.padding == 1 for m in pools)  # max_pool_3x3
     assert any(m.kernel_size == 2 for m in pools)  # max_pool_2x2
@@ -126,12 +127,10 @@ def test_amoebanet_max_pool_3x3_preserves_size_at_stride_1():
 
 
 def test_resnet_and_unet_graphs_expose_real_ops():
-    modules, functions = _graph_ops(fx.symbolic_trace(resnet_v2(depth=8)))
-    assert {nn.Conv2d, nn.BatchNorm2d, nn.AdaptiveAvgPool2d, nn.Linear} <= modules
-    assert operator.add in functions
-    modules, functions = _graph_ops(fx.symbolic_trace(unet(depth=2, base_channels=2)))
-    assert {nn.Conv2d, nn.BatchNorm2d, nn.MaxPool2d, nn.ConvTranspose2d} <= modules
-    assert torch.cat in functions
+    ops = _graph_ops(resnet_v2(depth=8), (2, 3, 16, 16))
+    assert {"conv2d", "BatchNormOp", "adaptive_avg_pool2d", "linear", "add"} <= ops
+    ops = _graph_ops(unet(depth=2, base_channels=2), (2, 3, 16, 16))
+    assert {"conv2d", "BatchNormOp", "max_pool2d", "conv_transpose2d", "cat"} <= ops
 
 
 def test_amoebanet_parameter_count_matches_gpipe():

@@ -104,20 +104,6 @@ def test_python_over_shapes_is_captured_exactly():
     assert torch.equal(gm(x), model(x))
 
 
-def test_leaf_modules_still_use_the_symbolic_tracer():
-    gm = trace(_Net(_Strips), (1, 3, 8, 8), leaf_modules=[_Strips])
-    targets = [n.target for n in gm.graph.nodes if n.op == "call_module"]
-    assert targets == ["conv", "block.0", "block.1"]
-    x = torch.randn(1, 3, 8, 8)
-    model = _Net(_Strips)
-    assert torch.equal(trace(model, x, leaf_modules=[_Strips])(x), model(x))
-
-
-def test_leaf_whose_control_flow_reads_tensor_values_gets_a_clear_error():
-    with pytest.raises(TraceError, match="'block.1'.*depends on tensor values.*torch.where"):
-        trace(_Net(), (1, 3, 8, 8), leaf_modules=[_Gate])
-
-
 def test_shape_errors_name_the_module():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(5, 4, 3))
     with pytest.raises(TraceError, match=r"in module '1' \(Conv2d\): RuntimeError: .*"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import re
 import subprocess
 import sys
@@ -108,14 +109,19 @@ count. `fxpar.compile` warns below 90 % and `Plan(strict=True)` refuses it.
 {rule}
 {chr(10).join(rows)}
 
-Library versions: the test extras of `pyproject.toml` (timm, segmentation-models-pytorch with
-a `resnet18` encoder and `encoder_weights=None`, MONAI 2-D nets with small channel counts);
-the exact builders are `MODELS` in `tests/cases/library_cases.py`. `make test` runs every
-model under SP2 and each other plan on one model; `FXPAR_LIBRARY_MATRIX=1 make test` runs
-the whole matrix.
+Library versions: {_versions()} (the test extras of `pyproject.toml`).
+segmentation-models-pytorch models use a `resnet18` encoder and `encoder_weights=None`;
+MONAI 2-D nets small channel counts; the exact builders are `MODELS` in
+`tests/cases/library_cases.py`. `make test` runs every model under SP2 and each other plan
+on one model; `FXPAR_LIBRARY_MATRIX=1 make test` runs the whole matrix.
 
 {"## Failures" + chr(10) + chr(10) + chr(10).join(failures) if failures else "Every cell passed."}
 """
+
+
+def _versions() -> str:
+    names = ("torch", "torchvision", "timm", "segmentation-models-pytorch", "monai")
+    return ", ".join(f"{n} {importlib.metadata.version(n)}" for n in names)
 
 
 if __name__ == "__main__":

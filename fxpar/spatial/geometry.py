@@ -99,11 +99,6 @@ def transposed_rows(out: Interval, k: int, s: int, p: int, d: int) -> Interval:
     return (lo, hi + 1)
 
 
-def nearest_rows(out: Interval, scale: int) -> Interval:
-    """Input rows nearest-neighbour upsampling by an integer ``scale`` reads."""
-    return (out[0] // scale, (out[1] - 1) // scale + 1)
-
-
 @dataclass(frozen=True)
 class Exchange:
     """What one rank does to turn its tile into ``need``: the messages, computed for all ranks.

@@ -1,8 +1,8 @@
 """The op classes of a spatial region: what the passes need to know about one op.
 
 Pointwise ops run on tiles as they are; windowed ops need a halo; BatchNorm needs global
-statistics; a global mean produces a replicated value. fxpar.spatial.opclass (module-level
-graphs) and fxpar.spatial.aten_ops (ATen graphs from torch.export) map nodes to them.
+statistics; a global mean produces a replicated value. fxpar.spatial.aten_ops maps the nodes of
+a captured (ATen) graph to them; fxpar.spatial.opclass is the entry the passes call.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Any
 
 from fxpar.spatial.geometry import (
     Interval,
-    nearest_rows,
     transposed_rows,
     window_rows,
 )
@@ -25,8 +24,8 @@ class Pointwise:
 
 @dataclass(frozen=True)
 class Window:
-    """A windowed op. ``kind``: conv, maxpool, avgpool, pad, convT, nearest, bilinear, interp
-    (any interpolation: its index map per dim is ``attr("maps")``).
+    """A windowed op. ``kind``: conv, maxpool, avgpool, pad (constant), convT, interp (any
+    interpolation, reflect / replicate padding: its index map per dim is ``attr("maps")``).
 
     Per dim (0 = H, 1 = W): kernel k, stride s, padding p (the leading side), dilation d.
     """
@@ -49,11 +48,6 @@ class Window:
             return self.attr("maps")[dim].needs(out)
         if self.kind == "convT":
             return transposed_rows(out, k, s, p, d)
-        if self.kind == "nearest":
-            return nearest_rows(out, s)
-        if self.kind == "bilinear":  # one extra row each side: interpolation reads neighbours
-            lo, hi = nearest_rows(out, s)
-            return (lo - 1, hi + 1)
         return window_rows(out, k, s, p, d)
 
 

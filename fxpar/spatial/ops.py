@@ -411,18 +411,6 @@ class _SyncBatchNorm(torch.autograd.Function):
         return gx, gw, gb, None, None, None
 
 
-def sync_batch_norm(x: torch.Tensor, bn: nn.modules.batchnorm._BatchNorm, key: str,
-                    count: int) -> torch.Tensor:
-    """BatchNorm over the whole image: statistics are sums over all tiles (``count`` = N*H*W
-    values per channel); running statistics updated as one device would. In eval mode (or
-    without batch statistics) it is the ordinary, local BatchNorm."""
-    batch_stats = bn.training or bn.running_mean is None
-    update = bn.training and bn.track_running_stats
-    return _batch_norm(x, bn.weight, bn.bias, bn.running_mean, bn.running_var,
-                       bn.num_batches_tracked if update else None, batch_stats, update,
-                       bn.momentum, bn.eps, key, count)
-
-
 def _batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
                 num_batches_tracked: torch.Tensor | None, batch_stats: bool, update: bool,
