@@ -238,6 +238,8 @@ def normalize(exported: fx.GraphModule, class_name: str) -> fx.GraphModule:
     for n in list(graph.nodes):
         if n.op == "call_module" and str(n.target).startswith("_guards"):
             graph.erase_node(n)
+        elif n.target is torch.ops.aten._assert_tensor_metadata.default and not n.users:
+            graph.erase_node(n)  # export's check of a dtype it saw (MONAI's .to(x.dtype))
     out = next(n for n in graph.nodes if n.op == "output")
     codegen = graph._codegen
     spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)

@@ -51,8 +51,8 @@ from fxpar.spatial.ops import (
     HaloOp,
     Join,
     TileBatchNorm,
-    spatial_mean,
 )
+from fxpar.spatial.reduce import TileReduce
 
 if TYPE_CHECKING:
     from fxpar.program import RankProgram
@@ -73,12 +73,9 @@ class _HaloLeaves(fx.Tracer):
     """Traces a stage module loaded from generated code (fxpar.emit) back into a graph, keeping
     fxpar's spatial ops as single nodes."""
 
-    def __init__(self) -> None:
-        super().__init__(autowrap_functions=(spatial_mean,))
-
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return isinstance(m, (Halo, HaloOp, Join, AvgDivisor, TileBatchNorm, TileGroupNorm,
-                              TileInterp, BatchNormOp, DropoutOp)) or \
+                              TileInterp, TileReduce, BatchNormOp, DropoutOp)) or \
             super().is_leaf_module(m, qualname)
 
 

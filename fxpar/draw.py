@@ -32,8 +32,8 @@ from fxpar.spatial.ops import (
     HaloOp,
     Join,
     TileBatchNorm,
-    spatial_mean,
 )
+from fxpar.spatial.reduce import TileReduce
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -69,10 +69,8 @@ def special_kind(gm: fx.GraphModule, n: fx.Node) -> str | None:
             return "halo"
         if isinstance(mod, Join):
             return "join"
-        if isinstance(mod, (TileBatchNorm, TileGroupNorm)):
+        if isinstance(mod, (TileBatchNorm, TileGroupNorm, TileReduce)):
             return "sync"
-    if n.target is spatial_mean:
-        return "sync"
     return None
 
 

@@ -25,8 +25,8 @@ from fxpar.spatial.ops import (
     HaloOp,
     Join,
     TileBatchNorm,
-    spatial_mean,
 )
+from fxpar.spatial.reduce import TileReduce
 from fxpar.trace import TraceError
 from passes.spatial_region import SpatialLayout
 from passes.split_stages import StageAssignment
@@ -102,8 +102,8 @@ def halo_note(gm: fx.GraphModule, n: fx.Node) -> str:
             return "BatchNorm statistics: allreduce over tiles"
         if isinstance(mod, TileGroupNorm):
             return "GroupNorm statistics: allreduce over tiles"
-    if n.target is spatial_mean:
-        return "spatial mean: allreduce over tiles"
+        if isinstance(mod, TileReduce):
+            return f"{mod.kind} over H and W: allreduce over tiles"
     return ""
 
 

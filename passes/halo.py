@@ -11,8 +11,8 @@ rank fills the padding itself) and runs the convolution with padding 0 on the wi
     fxpar_halo_0 = self.fxpar_halo_0(x, conv1_weight)   # rows -1:17 cols 15:33 <- tiles 1, 2, 3
 
 BatchNorm and group norm become ``TileBatchNorm`` / ``TileGroupNorm`` (global statistics),
-a global mean ``spatial_mean``, an interpolation or reflect padding ``TileInterp``, and a node
-outside the region that reads a tile gets a ``Join`` first. Halo modules are printed
+a reduction over H and W ``TileReduce``, an interpolation or reflect padding ``TileInterp``,
+and a node outside the region that reads a tile gets a ``Join`` first. Halo modules are printed
 with their widths per side (``fxpar-inspect``).
 """
 
@@ -32,15 +32,15 @@ from fxpar.spatial.aten_ops import arg
 from fxpar.spatial.geometry import Exchange, Grid, Rect, avg_counts, exchange
 from fxpar.spatial.interp import TileInterp
 from fxpar.spatial.norms import TileGroupNorm
-from fxpar.spatial.opclass import BatchNorm, Mean, Norm, Pointwise, Window, classify
+from fxpar.spatial.opclass import BatchNorm, Norm, Pointwise, Reduce, Window, classify
 from fxpar.spatial.ops import (
     AvgDivisor,
     Halo,
     HaloOp,
     Join,
     TileBatchNorm,
-    spatial_mean,
 )
+from fxpar.spatial.reduce import TileReduce
 from passes.spatial_region import SpatialLayout
 from passes.split_stages import model_output
 
@@ -287,11 +287,13 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
         if not tiled_ins:
             continue
         op = classify(gm, n)
-        if isinstance(op, Mean):
+        if isinstance(op, Reduce):
             x = n.args[0]
+            own = grid.tile_rect(_extent(x), tile)
+            name = ctx.add("reduce", TileReduce(op.kind, key, _extent(x), own.h, own.w,
+                                                op.keepdim, op.out))
             with gm.graph.inserting_before(n):
-                new = gm.graph.call_function(
-                    spatial_mean, (x, key, _extent(x)[0] * _extent(x)[1], op.keepdim))
+                new = gm.graph.call_module(name, (x,))
             _replace(gm.graph, n, new)
             continue
         for a in tiled_ins:  # the region ends here: the whole tensor on every rank

@@ -4,8 +4,9 @@ The region grows forward from the model's 4-D inputs through ops fxpar knows how
 (fxpar.spatial.opclass). It ends before the first op that is not one of them (flatten, view,
 linear, an unknown function: it is named in the node's ``SpatialLayout.reason``), before an
 op whose output would leave some rank an empty tile, and before a pointwise op with an operand
-that is not tiled but varies along a split dim (a learned H x 1 bias map with H split). Global
-means (adaptive average pooling to 1x1) stay in the region and produce a *replicated* value.
+that is not tiled but varies along a split dim (a learned H x 1 bias map with H split).
+Reductions over H and W (global means, amax, adaptive average pooling to any size) stay in the
+region and produce a *replicated* value.
 Every node gets a :class:`SpatialLayout`: tiled, or replicated (the same whole value on every
 rank of the group).
 """
@@ -25,7 +26,7 @@ from fxpar.meta import NodeCost, TensorInfo
 from fxpar.plan import Plan, PlanError
 from fxpar.spatial.geometry import Grid
 from fxpar.spatial.islands import find_islands
-from fxpar.spatial.opclass import Mean, Pointwise, classify, why_not
+from fxpar.spatial.opclass import Pointwise, Reduce, classify, why_not
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,12 @@ class SpatialLayout:
 
 
 def _extent(n: fx.Node) -> tuple[int, int] | None:
+    """(H, W) of a node's 4-D output; of a channel split's outputs when they all agree."""
     info = meta.find(n, TensorInfo)
-    if info is None or len(info.shapes) != 1 or len(info.shape) != 4:
+    if info is None or not info.shapes or any(len(s) != 4 for s in info.shapes):
         return None
-    return (info.shape[2], info.shape[3])
+    extents = {(s[2], s[3]) for s in info.shapes}
+    return extents.pop() if len(extents) == 1 else None
 
 
 def _inputs(n: fx.Node) -> list[fx.Node]:
@@ -79,6 +82,8 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             meta.put(n, SpatialLayout(False))
             continue
         role = islands.get(n)
+        if role == "entry" and len(ins) < len(_inputs(n)):
+            role = None  # a stack of tiles and whole tensors: the region ends there
         if role is not None and (role != "entry" or grid.fits(_extent(ins[0]) or (0, 0))):
             tiled.add(n)  # per-pixel ops in another layout: the tile as it is
             meta.put(n, SpatialLayout(True, island=role != "exit"))
@@ -88,8 +93,8 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         reason = ""
         if op is None:
             reason = f"{_describe(gm, n)} cannot run on tiles"
-        elif isinstance(op, Mean):
-            meta.put(n, SpatialLayout(False))  # a global mean: the region goes on past it
+        elif isinstance(op, Reduce):
+            meta.put(n, SpatialLayout(False))  # a global reduction: the region goes on past it
             continue
         elif ext is None:
             reason = f"{_describe(gm, n)} does not produce a 4-D image tensor"
@@ -146,7 +151,7 @@ def coverage(gm: fx.GraphModule, grid: Grid) -> Coverage:
         ins_tiled = any((la := meta.find(a, SpatialLayout)) is not None and la.tiled
                         for a in _inputs(n))
         if lay is not None and (lay.tiled or (ins_tiled and not lay.reason)):
-            tiled += cost.flops  # a tile op, or a global mean of tiles
+            tiled += cost.flops  # a tile op, or a reduction of tiles
         elif not first and lay is not None and lay.reason:
             first = _explained(gm, n)
     return Coverage(tiled, image, first)
@@ -197,13 +202,13 @@ def _nothing_tiled(gm: fx.GraphModule, plan: Plan, grid: Grid) -> str:
                 f"spatial_parts=1 (stages, microbatches, gems and data_parallel work on any "
                 f"input)")
     first = _first_end(gm)
-    if first is None:  # the region goes on past every use of the image: global means only
+    if first is None:  # the region goes on past every use of the image: reductions only
         mean = next((u for n in inputs for u in n.users), None)
         into = "is not used by the model" if mean is None else \
-            f"goes straight into {_describe(gm, mean)}, a mean over all of H and W"
+            f"goes straight into {_describe(gm, mean)}, a reduction over all of H and W"
         return (f"nothing in this model can run on {grid.rows}x{grid.cols} tiles: the image "
                 f"{into}, so there is no per-pixel work to split; set spatial_parts=1 (or put "
-                f"convolutions before the mean)")
+                f"convolutions before it)")
     head = (f"nothing in this model can run on {grid.rows}x{grid.cols} tiles "
             f"({_explained(gm, first)})")
     ext = _extent(first)

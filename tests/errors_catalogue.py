@@ -213,9 +213,10 @@ CATALOGUE: list[Entry] = [
           "as numbers instead of 'same'), or set spatial_parts=1.",
           lambda: build(Plan(spatial_parts=2), model=nn.Sequential(
               nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"), nn.Flatten()))),
-    Entry("spatial-mean-first", "spatial", "the image goes straight into a global mean",
-          PlanError, r"a mean over all of H and W, so there is no per-pixel work",
-          "Set spatial_parts=1, or put the convolutions before the mean.",
+    Entry("spatial-mean-first", "spatial", "the image goes straight into a global reduction "
+          "(mean, sum, amax over H and W)",
+          PlanError, r"a reduction over all of H and W, so there is no per-pixel work",
+          "Set spatial_parts=1, or put the convolutions before the reduction.",
           lambda: build(Plan(spatial_parts=2), model=nn.Sequential(
               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 3)))),
     Entry("spatial-stage-empty", "spatial", "a spatial stage starts after the spatial region "

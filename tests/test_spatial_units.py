@@ -22,8 +22,9 @@ from fxpar.spatial.geometry import (
     transposed_rows,
     window_rows,
 )
+from fxpar.spatial.opclass import Reduce, classify
 from fxpar.trace import trace
-from passes.spatial_region import region_ends, spatial_region
+from passes.spatial_region import Coverage, region_ends, spatial_region
 
 
 def rows_read(op, n, out):
@@ -104,12 +105,23 @@ def test_halo_reaches_past_the_immediate_neighbour():
 
 
 def test_region_ends_at_an_op_that_cannot_be_tiled_and_says_which():
-    gm = trace(torchvision.models.vgg11(), (1, 3, 64, 64))
+    gm = trace(nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveMaxPool2d(3)), (1, 3, 64, 64))
     spatial_region(gm, fxpar.Plan(spatial_parts=4))
     assert len(region_ends(gm)) == 1 and re.fullmatch(
-        r"region ends at 'adaptive_avg_pool2d': aten.adaptive_avg_pool2d \(module 'avgpool' "
-        r"\(AdaptiveAvgPool2d\), torchvision/models/vgg.py:\d+\) cannot run on tiles",
+        r"region ends at 'adaptive_max_pool2d': aten.adaptive_max_pool2d \(module '1' "
+        r"\(AdaptiveMaxPool2d\), torch/nn/modules/pooling.py:\d+\) cannot run on tiles",
         region_ends(gm)[0])
+
+
+def test_adaptive_pooling_to_a_size_that_does_not_divide_the_map_is_a_reduction():
+    """VGG's 7x7 adaptive pool of a 2x2 map (64x64 input): bins that overlap, summed from the
+    tiles into a replicated value; the region does not end, everything before runs on tiles."""
+    gm = trace(torchvision.models.vgg11(), (1, 3, 64, 64))
+    spatial_region(gm, fxpar.Plan(spatial_parts=4))
+    assert region_ends(gm) == []
+    pool = next(n for n in gm.graph.nodes if "adaptive_avg_pool2d" in n.name)
+    assert classify(gm, pool) == Reduce("bins", True, (7, 7))
+    assert gm.meta[Coverage.KEY].share == 1.0
 
 
 class _PositionBias(nn.Module):
@@ -182,7 +194,7 @@ def test_tile_programs_print_their_halos():
     tile3 = program.spatial.tiles[(0, 3)]
     halos = [m for name, m in tile3.named_children() if name.startswith("fxpar_halo")]
     assert halos and "halo top=1 bottom=1 left=1 right=1" in repr(halos[1])
-    assert "self.fxpar_syncbn_" in tile3.code and "spatial_mean" in tile3.code
+    assert "self.fxpar_syncbn_" in tile3.code and "self.fxpar_reduce_" in tile3.code
 
 
 def test_coverage_counts_the_flops_on_tiles_and_warns_naming_the_op():

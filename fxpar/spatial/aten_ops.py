@@ -1,7 +1,7 @@
 """How ATen ops (the graph ``torch.export`` captures, see fxpar.capture) run on tiles.
 
 The ATen ops that real CNNs use form a small closed set; each is one entry here, mapped to the
-op classes of fxpar.spatial.opclass (Pointwise, Window, BatchNorm, Mean). An op that is not
+op classes of fxpar.spatial.opclass (Pointwise, Window, BatchNorm, Norm, Reduce). An op that is not
 listed returns None and ends the spatial region: it is never guessed at.
 
 Argument positions follow the ATen schemas (``torch.ops.aten.conv2d.default._schema``); a
@@ -21,7 +21,7 @@ from fxpar import meta
 from fxpar.capture import BatchNormOp, DropoutOp
 from fxpar.meta import TensorInfo
 from fxpar.spatial.interp import PADS, AxisMap
-from fxpar.spatial.opkind import BatchNorm, Mean, Norm, Op, Pointwise, Window
+from fxpar.spatial.opkind import BatchNorm, Norm, Op, Pointwise, Reduce, Window
 
 aten = torch.ops.aten
 
@@ -39,6 +39,18 @@ POINTWISE = {getattr(aten, name) for name in (
     "clone", "contiguous", "alias", "detach", "_to_copy", "to", "type_as",
 )}
 """Ops whose output cell reads the same cell of each input (broadcasting allowed)."""
+
+CHANNEL_SPLITS = {aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk,
+                  aten.tensor_split}
+"""Channel splits (CSPNet, Res2Net, MixConv, selective kernels): one output per piece, each
+read per pixel through ``getitem``. ``dim`` is their argument 2."""
+
+CHANNEL_SLICES = {aten.slice: 1, aten.narrow: 1}
+"""Slices of the channel (or batch) dim (DPN, ReXNet): the position of ``dim``."""
+
+REDUCTIONS = {aten.mean: "mean", aten.sum: "sum", aten.amax: "amax"}
+"""Reductions: over H and W of the whole image (replicated result), or over channels only
+with ``keepdim`` (CBAM's spatial attention: per pixel)."""
 
 
 def arg(n: fx.Node, i: int, default: Any) -> Any:
@@ -84,6 +96,14 @@ def classify_aten(n: fx.Node) -> Op | None:
         return Pointwise()
     if packet is aten.cat:
         return Pointwise() if arg(n, 1, 0) in (0, 1, -3, -4) else None
+    if packet in CHANNEL_SPLITS or packet in CHANNEL_SLICES:
+        x = _shape(n.args[0])
+        dim = arg(n, CHANNEL_SLICES.get(packet, 2), 0)
+        return Pointwise() if x is not None and len(x) == 4 and dim % 4 in (0, 1) else None
+    if packet is aten.expand_as:  # a broadcast value (ECA's N x C x 1 x 1) to the image
+        return Pointwise()
+    if packet in REDUCTIONS:
+        return _reduction(n, REDUCTIONS[packet])
     if packet is aten.conv2d:
         padding = arg(n, 4, 0)
         if isinstance(padding, str):
@@ -124,12 +144,24 @@ def classify_aten(n: fx.Node) -> Op | None:
         return Norm(x[1], float(arg(n, 7, 1e-5)), 1, 2)
     if packet is aten.adaptive_avg_pool2d:
         return _adaptive(n)
-    if packet is aten.mean and f is aten.mean.dim:
-        dims = arg(n, 1, None)
-        dims = [dims] if isinstance(dims, int) else list(dims or [])
-        if sorted(d % 4 for d in dims) == [2, 3]:
-            return Mean(bool(arg(n, 2, False)))
     return None
+
+
+def _reduction(n: fx.Node, kind: str) -> Op | None:
+    """sum / mean / amax over dims: over exactly H and W a :class:`Reduce` (replicated);
+    over the channel dim with ``keepdim`` per pixel; anything else is not tiled."""
+    x = _shape(n.args[0])
+    dims = arg(n, 1, None)
+    if x is None or len(x) != 4 or dims is None or n.target in (aten.sum.default,
+                                                                  aten.mean.default):
+        return None  # a reduction over everything
+    dims = sorted(d % 4 for d in ([dims] if isinstance(dims, int) else dims))
+    keepdim = bool(arg(n, 2, False))
+    if arg(n, 3, None) is not None:
+        return None  # a dtype argument: not handled
+    if dims == [2, 3]:
+        return Reduce(kind, keepdim)
+    return Pointwise() if dims == [1] and keepdim else None
 
 
 def _convolution(n: fx.Node) -> Op | None:
@@ -157,8 +189,9 @@ def _pad(n: fx.Node) -> Op | None:
     if not any(pad):
         return Pointwise()  # padding by nothing (MONAI's UpCat when the sizes already match)
     left, right, top, bottom = (pad + [0, 0, 0, 0])[:4]
-    if len(pad) > 4:
-        return None  # padding of the batch or channel dims
+    if len(pad) > 4:  # the channel (or batch) dims too: per pixel if H and W are not padded
+        plain = mode == "constant" and not any(pad[:4]) and len(pad) <= 8
+        return Pointwise() if plain else None
     if mode in PADS:  # an index map per dim (fxpar.spatial.interp): border tiles pad
         x, out = _shape(n.args[0]), _shape(n)
         if x is None or out is None or len(x) != 4:
@@ -175,13 +208,15 @@ def _pad(n: fx.Node) -> Op | None:
 
 def _adaptive(n: fx.Node) -> Op | None:
     """Adaptive average pooling: to 1x1 a global mean; to a size that divides the input an
-    average pool with kernel = stride = input / output (the same bins); else not tiled (its
-    bins overlap and vary in size)."""
+    average pool with kernel = stride = input / output (the same bins, tiled); else its bins
+    overlap and vary in size: summed from the tiles into a replicated output."""
     out, x = _pair(arg(n, 1, None)), _shape(n.args[0])
     if out == (1, 1):
-        return Mean(True)
-    if x is None or len(x) != 4 or any(e % o for e, o in zip(x[2:], out, strict=True)):
+        return Reduce("mean")
+    if x is None or len(x) != 4:
         return None
+    if any(e % o for e, o in zip(x[2:], out, strict=True)):
+        return Reduce("bins", True, out)  # overlapping bins of varying size: replicated
     k = (x[2] // out[0], x[3] // out[1])
     return Window("avgpool", k, k, (0, 0), attrs=(("ceil_mode", False),
                                                   ("count_include_pad", True),
@@ -218,9 +253,12 @@ def why_not_aten(n: fx.Node) -> str:
     if name == "instance_norm":
         return ("instance norm with running statistics (track_running_stats=True) is not "
                 "tiled; without them it is")
-    if name in ("adaptive_avg_pool2d", "adaptive_max_pool2d"):
-        return ("only adaptive average pooling to 1x1 (a global mean) or to a size that "
-                "divides the input's runs on tiles")
+    if name == "adaptive_max_pool2d":
+        return ("adaptive max pooling is not tiled (adaptive average pooling to any size and "
+                "amax over H and W are)")
+    if name in ("sum", "mean", "amax"):
+        return ("only reductions over exactly H and W (dims 2, 3), or over the channel dim "
+                "with keepdim=True, run on tiles")
     if name in ("pad", "constant_pad_nd", "reflection_pad2d", "replication_pad2d"):
         return ("only constant, reflect and replicate padding of H and W run on tiles "
                 "(circular padding would make a border tile read the opposite border)")

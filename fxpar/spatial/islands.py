@@ -8,7 +8,9 @@ ConvNeXt's channels-last block (H, W in dims 1, 2)::
     x = F.gelu(F.linear(x, w1, b1))    # acts on C only: per pixel
     x = x.permute(0, 3, 1, 2)          # exit: N, C, H, W again
 
-ResNeSt's split attention (a channel dim split in two, H, W stay last)::
+ResNeSt's split attention (a channel dim split in two, H, W stay last); selective kernels and
+FPN's merge (``torch.stack`` of same-shape maps, then a sum); ShuffleNet's channel shuffle (a
+transpose of two dims before H and W)::
 
     x = x.reshape(N, R, C // R, H, W)  # entry
     x = x * attention                  # attention: N, R, C // R, 1, 1 (broadcast)
@@ -47,6 +49,13 @@ def _shape(n: object) -> tuple[int, ...] | None:
 
 def _entry(n: fx.Node) -> Dims | None:
     """Where H and W go if ``n`` starts an island, else None."""
+    if _packet(n) is aten.stack:  # N x C x H x W pieces stacked along a dim before H
+        pieces, out = n.args[0], _shape(n)
+        shapes = {_shape(a) for a in pieces}
+        dim = int(arg(n, 1, 0))
+        ok = out is not None and len(out) == 5 and len(shapes) == 1 and \
+            None not in shapes and dim % 5 < 3
+        return (-2, -1) if ok else None
     x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
     xs, out = _shape(x), _shape(n)
     if xs is None or out is None or len(xs) != 4:
@@ -68,14 +77,13 @@ def _exit(n: fx.Node, dims: Dims) -> bool:
         return _packet(n) is aten.permute and \
             [int(d) % 4 for d in arg(n, 1, [])] == TO_FIRST
     x = _shape(n.args[0])
-    if x is None or out[-2:] != x[-2:] or out[0] != x[0]:
+    if x is None or out[-2:] != x[-2:]:
         return False
-    if _packet(n) in (aten.sum, aten.mean):  # over channel-like dims only
+    if _packet(n) in (aten.sum, aten.mean):  # over dims other than H and W: per pixel
         reduced = arg(n, 1, [])
         reduced = [reduced] if isinstance(reduced, int) else list(reduced or [])
-        return bool(reduced) and all(d % len(x) not in (0, len(x) - 2, len(x) - 1)
-                                     for d in reduced)
-    return _packet(n) in (aten.reshape, aten.view) and \
+        return bool(reduced) and all(d % len(x) < len(x) - 2 for d in reduced)
+    return out[0] == x[0] and _packet(n) in (aten.reshape, aten.view) and \
         list(arg(n, 1, []))[-2:] == list(out[-2:])
 
 
@@ -89,6 +97,14 @@ def _per_pixel(n: fx.Node, member: set[fx.Node], dims: Dims) -> bool:
         return last and len(arg(n, 1, [])) == 1  # normalised over C only
     if packet is aten.linear:
         return last and n.args[0] in member and not any(a in member for a in n.args[1:])
+    if packet in (aten.transpose, aten.permute) and not last:  # ShuffleNet's channel shuffle
+        x = _shape(n.args[0])
+        if x is None:
+            return False
+        keep = [len(x) - 2, len(x) - 1]  # H and W stay where they are
+        if packet is aten.transpose:
+            return not {int(arg(n, i, 0)) % len(x) for i in (1, 2)} & set(keep)
+        return [int(d) % len(x) for d in arg(n, 1, [])][-2:] == keep
     if packet in POINTWISE:
         for a in n.all_input_nodes:  # other operands broadcast along H and W
             shape = _shape(a)

@@ -1,4 +1,4 @@
-"""Which ops can run on tiles, and how: pointwise, windowed, norms, global mean.
+"""Which ops can run on tiles, and how: pointwise, windowed, norms, reductions over H and W.
 
 :func:`classify` looks at one node of a captured (ATen-level, fxpar.capture) graph and returns
 what the spatial passes need to know; an op it does not recognise returns None and ends the
@@ -8,13 +8,15 @@ refused and what would run on tiles. The rules themselves are in fxpar.spatial.a
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
 from fxpar.spatial import aten_ops
-from fxpar.spatial.opkind import BatchNorm, Mean, Norm, Op, Pointwise, Window
+from fxpar.spatial.opkind import BatchNorm, Norm, Op, Pointwise, Reduce, Window
 
-__all__ = ["BatchNorm", "Mean", "Norm", "Op", "Pointwise", "Window", "classify", "why_not"]
+__all__ = ["BatchNorm", "Norm", "Op", "Pointwise", "Reduce", "Window", "classify", "why_not"]
 
 
 def classify(gm: fx.GraphModule, n: fx.Node) -> Op | None:
@@ -23,6 +25,9 @@ def classify(gm: fx.GraphModule, n: fx.Node) -> Op | None:
         return aten_ops.classify_module(gm.get_submodule(str(n.target)), str(n.target))
     if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
         return aten_ops.classify_aten(n)
+    if n.op == "call_function" and n.target is operator.getitem and \
+            isinstance(n.args[0], fx.Node) and isinstance(n.args[1], int):
+        return Pointwise()  # one output of a channel split (aten.split): per pixel
     return None
 
 

@@ -1,8 +1,9 @@
 """The op classes of a spatial region: what the passes need to know about one op.
 
 Pointwise ops run on tiles as they are; windowed ops need a halo; BatchNorm needs global
-statistics; a global mean produces a replicated value. fxpar.spatial.aten_ops maps the nodes of
-a captured (ATen) graph to them; fxpar.spatial.opclass is the entry the passes call.
+statistics; a reduction over H and W (a global mean) produces a replicated value.
+fxpar.spatial.aten_ops maps the nodes of a captured (ATen) graph to them;
+fxpar.spatial.opclass is the entry the passes call.
 """
 
 from __future__ import annotations
@@ -59,10 +60,14 @@ class BatchNorm:
 
 
 @dataclass(frozen=True)
-class Mean:
-    """Mean over H and W (global average pooling); the result is replicated."""
+class Reduce:
+    """A reduction over H and W of the whole image (fxpar.spatial.reduce): ``sum``, ``mean``
+    (global average pooling), ``amax`` or ``bins`` (adaptive average pooling to ``out``); the
+    result is replicated."""
 
-    keepdim: bool
+    kind: str
+    keepdim: bool = True
+    out: tuple[int, int] = (1, 1)
 
 
 @dataclass(frozen=True)
@@ -76,4 +81,4 @@ class Norm:
     bias: int
 
 
-Op = Pointwise | Window | BatchNorm | Mean | Norm
+Op = Pointwise | Window | BatchNorm | Reduce | Norm

@@ -343,26 +343,6 @@ class Join(nn.Module):
         return f"tile {self.tile} {self.rects[self.tile]} -> all {len(self.rects)} tiles"
 
 
-class _SpatialSum(torch.autograd.Function):
-    """Sum over H and W of all tiles; replicated output."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, key: str) -> torch.Tensor:
-        ctx.shape, ctx.key = x.shape, key
-        return group(key).allreduce(x.sum(dim=(2, 3), keepdim=True))
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        g = group(ctx.key).allreduce(g.clone(memory_format=torch.contiguous_format))
-        return g.expand(ctx.shape).contiguous(), None
-
-
-def spatial_mean(x: torch.Tensor, key: str, count: int, keepdim: bool = True) -> torch.Tensor:
-    """Mean over H and W of the whole image (``count`` = H*W), from this rank's tile."""
-    out = _SpatialSum.apply(x, key) / count
-    return out if keepdim else out.flatten(2).squeeze(-1)
-
-
 class _SyncBatchNorm(torch.autograd.Function):
     """Training-mode BatchNorm with statistics over all tiles. Saves only the input and the
     per-channel statistics (like PyTorch's own kernel), so tiles keep 1/P of the memory.

@@ -90,6 +90,13 @@ MODELS: dict[str, Model] = {
     "monai_UNet": Model(_monai("UNet"), (64, 64), 0.95, segmentation=True),
     "monai_SegResNet": Model(_monai("SegResNet"), (64, 64), 0.95, segmentation=True),
     "monai_BasicUNet": Model(_monai("BasicUNet"), (64, 64), 0.95, segmentation=True),
+    # beyond the list: channel splits (MixConv), stacked branches (selective kernels),
+    # the channel shuffle, adaptive pooling to sizes that do not divide the map (PSPNet)
+    "timm_mixnet_s": Model(_timm("mixnet_s"), (64, 64), 0.95),
+    "timm_skresnet18": Model(_timm("skresnet18"), (64, 64), 0.95),
+    "tv_shufflenet_v2_x0_5": Model(_tv("shufflenet_v2_x0_5"), (64, 64), 0.95),
+    "smp_PSPNet": Model(_smp("PSPNet", psp_dropout=0.0, encoder_depth=5, upsampling=32),
+                        (96, 96), 0.95, segmentation=True),
 }
 
 P = fxpar.Plan

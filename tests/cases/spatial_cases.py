@@ -30,6 +30,103 @@ def _bn_relu(c):
     return [nn.BatchNorm2d(c), nn.ReLU()]
 
 
+class ChannelSplit(nn.Module):
+    """CSPNet / Res2Net / MixConv: split the channels (unequal pieces, then equal chunks),
+    convolve pieces, concatenate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.inner = nn.Conv2d(5, 4, 3, padding=1)
+        self.out = nn.Conv2d(7, 6, 1)
+
+    def forward(self, x):
+        a, b = torch.split(self.conv(x), [3, 5], dim=1)
+        c, d = self.inner(b).chunk(2, dim=1)
+        return self.out(torch.cat([a, c, torch.relu(d)], dim=1))
+
+
+class ChannelSlice(nn.Module):
+    """DPN / ReXNet: slices of the channel dim added to and concatenated with others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return torch.cat([y[:, :2] + y[:, 2:4], self.conv2(y[:, 4:])], dim=1)
+
+
+class Attention(nn.Module):
+    """ECA (mean over H, W -> conv1d over channels -> expand_as), CBAM's channel attention
+    (mean and amax over H, W) and spatial attention (mean and amax over channels with
+    keepdim -> 7x7 conv), a sum over H and W; amax over ``maximum(x, level)``: where the
+    learned level is above every cell, the maximum ties over the whole image, across tiles,
+    and its gradient, shared evenly by the tied cells, reaches ``level``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.eca = nn.Conv1d(1, 1, 3, padding=1, bias=False)
+        self.fc = nn.Conv2d(6, 6, 1)
+        self.spatial = nn.Conv2d(2, 1, 7, padding=3)
+        self.level = nn.Parameter(torch.tensor([-9.0, 0.0, 9.0, 9.0, -9.0, 9.0]).view(6, 1, 1))
+
+    def forward(self, x):
+        x = self.conv(x)
+        y = self.eca(x.mean((2, 3)).unsqueeze(1)).transpose(-1, -2).unsqueeze(-1)
+        x = x * torch.sigmoid(y).expand_as(x)
+        floor = torch.maximum(x, self.level)
+        x = x * torch.sigmoid(self.fc(x.mean((2, 3), keepdim=True)) +
+                              self.fc(floor.amax((2, 3), keepdim=True)))
+        s = torch.cat([x.mean(1, keepdim=True), x.amax(1, keepdim=True)], dim=1)
+        x = x * torch.sigmoid(self.spatial(s))
+        return x + torch.tanh(x.sum((2, 3), keepdim=True) / 100)
+
+
+class StackShuffle(nn.Module):
+    """Selective kernels (branches stacked on dim 1, softmax attention over them, summed),
+    FPN's merge (stacked on dim 0, summed), ShuffleNet's channel shuffle (view, transpose,
+    view) and MONAI's ChannelPad (zero channels padded on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(3, 4, 3, padding=2, dilation=2)
+        self.fc = nn.Conv2d(4, 8, 1)
+
+    def forward(self, x):
+        a, b = self.a(x), torch.tanh(self.b(x))
+        paths = torch.stack([a, b], dim=1)                    # N, 2, C, H, W
+        attn = self.fc(paths.sum(1).mean((2, 3), keepdim=True))
+        attn = attn.view(x.shape[0], 2, 4, 1, 1).softmax(dim=1)
+        y = (paths * attn).sum(dim=1) + torch.stack([a, b]).sum(dim=0)
+        n, c, h, w = y.shape
+        y = y.view(n, 2, c // 2, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
+        return nn.functional.pad(y, [0, 0, 0, 0, 1, 1])      # 6 channels
+
+
+class PyramidPool(nn.Module):
+    """PSPNet's pyramid: adaptive average pooling to sizes that do not divide the image
+    (overlapping bins of varying size), 1x1 convolutions, upsampled and concatenated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.branches = nn.ModuleList(nn.Conv2d(4, 1, 1) for _ in (2, 3, 5))
+        self.out = nn.Conv2d(7, 6, 3, padding=1)
+
+    def forward(self, x):
+        x = self.conv(x)
+        size = x.shape[-2:]
+        pooled = [nn.functional.interpolate(b(nn.functional.adaptive_avg_pool2d(x, k)), size,
+                                            mode="bilinear", align_corners=False)
+                  for k, b in zip((2, 3, 5), self.branches, strict=True)]
+        return self.out(torch.cat([x, *pooled], dim=1))
+
+
 OPS = {
     "conv_k1": lambda: nn.Sequential(nn.Conv2d(3, 6, 1), *_bn_relu(6)),
     "conv_k3": lambda: nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), *_bn_relu(6),
@@ -54,6 +151,11 @@ OPS = {
                                             nn.ConvTranspose2d(6, 6, 2, stride=2),
                                             nn.ConvTranspose2d(6, 6, 3, stride=1, padding=1)),
     "zero_pad_shift": lambda: nn.Sequential(nn.ZeroPad2d((-1, 1, -1, 1)), nn.Conv2d(3, 6, 1)),
+    "channel_split": ChannelSplit,
+    "channel_slice": ChannelSlice,
+    "attention_reductions": Attention,
+    "pyramid_pool": PyramidPool,
+    "stack_shuffle": StackShuffle,
 }
 
 
