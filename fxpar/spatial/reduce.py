@@ -78,9 +78,13 @@ class TileReduce(nn.Module):
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"TileReduce kind {kind!r}: one of {KINDS}")
-        self.kind, self.key, self.extent = kind, key, tuple(extent)
-        self.rows, self.cols, self.keepdim, self.out = tuple(rows), tuple(cols), keepdim, \
+        self.kind, self.key, self.keepdim = kind, key, keepdim
+        self.extent, self.rows, self.cols, self.out = tuple(extent), tuple(rows), tuple(cols), \
             tuple(out)
+        if kind == "bins":  # the tile's rows and columns into the bins, and the bins' sizes
+            (h, w), (oh, ow) = self.extent, self.out
+            self._ah, self._aw = bins(h, oh, self.rows), bins(w, ow, self.cols)
+            self._sizes = torch.outer(bin_sizes(h, oh), bin_sizes(w, ow))
 
     def emit_args(self) -> dict[str, Any]:
         """The constructor's arguments (fxpar.emit writes ``TileReduce(**these)``)."""
@@ -99,12 +103,8 @@ class TileReduce(nn.Module):
         return y if self.keepdim else y.flatten(2).squeeze(-1)
 
     def _bins(self, x: torch.Tensor) -> torch.Tensor:
-        (h, w), (oh, ow) = self.extent, self.out
-        ah = bins(h, oh, (self.rows[0], self.rows[1])).to(x)
-        aw = bins(w, ow, self.cols).to(x)
-        part = torch.einsum("nchw,hi,wj->ncij", x, ah, aw)
-        sizes = torch.outer(bin_sizes(h, oh), bin_sizes(w, ow)).to(x)
-        return group_sum(part, self.key) / sizes
+        part = torch.einsum("nchw,hi,wj->ncij", x, self._ah.to(x), self._aw.to(x))
+        return group_sum(part, self.key) / self._sizes.to(x)
 
     def extra_repr(self) -> str:
         what = f"adaptive average pool to {self.out[0]}x{self.out[1]}" \
