@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fxpar passes models tools tests
+	$(PY) tools/check_imports.py
 
 test: $(STAMP) lint
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider --durations=15 tests

@@ -1,15 +1,16 @@
 """fxpar: compile an ordinary single-device CNN into per-rank programs for hybrid spatial,
 layer, pipeline, bidirectional (GEMS) and data-parallel training under MPI."""
 
-from fxpar import failfast
-from fxpar.compiler import compile
-from fxpar.emit import load as load_program
-from fxpar.plan import Plan, PlanError, RankMap
-from fxpar.program import Program, RankProgram
-from fxpar.trace import TraceError, analyze, trace
+from fxpar.compiler.driver import compile
+from fxpar.core.plan import Plan, PlanError, RankMap
+from fxpar.core.version import __version__
+from fxpar.frontend.trace import TraceError, analyze, trace
+from fxpar.io.loader import load as load_program
+from fxpar.io.program import Program, RankProgram
 
 __all__ = ["compile", "load_program", "Plan", "PlanError", "RankMap", "Program", "RankProgram",
-           "TraceError", "analyze", "trace"]
-__version__ = "0.1.0"
+           "TraceError", "analyze", "trace", "__version__"]
 
-failfast.install()  # under mpiexec -n >1: an uncaught exception on any rank ends the whole job
+# Importing fxpar changes nothing in the process: the fail-fast exception hook (an uncaught
+# exception on any rank ends the whole job) is installed by the rank programs made for MPI
+# (Program.local, load_program) and fxpar-run, and put back when they close.

@@ -3,7 +3,7 @@
 Each ``mpiexec`` launch pays seconds of ``import torch`` per rank, so many cases share one
 launch: :func:`run_cases` starts ``mpiexec -n N python -m fxpar.testing CASE...`` once and each
 rank runs the cases in order. A case is a function in a file, ``"path/to/file.py::name"``,
-called with no arguments on every rank (it gets the world from :func:`fxpar.comm.world`).
+called with no arguments on every rank (it gets the world from :func:`fxpar.comm.world.world`).
 
 Ranks leave a marker per case (started / passed / traceback) in a scratch folder. When a case
 raises on any rank, that rank writes its traceback and aborts the whole job (so no rank waits
@@ -142,7 +142,7 @@ def load_case(case: str) -> Callable[[], object]:
 
 
 def _worker(folder: Path, cases: Sequence[str]) -> None:
-    from fxpar.comm import world
+    from fxpar.comm.world import world
 
     comm = world()
     rank = comm.rank

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 from torch import nn
 
-from models.amoebanet import amoebanetd
-from models.resnet_v2 import resnet110_v2, resnet_v2
-from models.unet import unet
+from fxpar.models.amoebanet import amoebanetd
+from fxpar.models.resnet_v2 import resnet110_v2, resnet_v2
+from fxpar.models.unet import unet
 
 __all__ = ["MODELS", "amoebanetd", "build", "resnet110_v2", "resnet_v2", "unet"]
 

@@ -26,23 +26,23 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from fxpar import meta
-from fxpar.meta import TensorInfo
-from fxpar.spatial.aten_ops import arg
-from fxpar.spatial.geometry import Exchange, Grid, Rect, avg_counts, exchange
-from fxpar.spatial.interp import TileInterp
-from fxpar.spatial.norms import TileGroupNorm
-from fxpar.spatial.opclass import BatchNorm, Norm, Pointwise, Reduce, Window, classify
-from fxpar.spatial.ops import (
+from fxpar.core import meta
+from fxpar.core.geometry import Exchange, Grid, Rect, avg_counts, exchange
+from fxpar.core.meta import TensorInfo
+from fxpar.frontend.rules.aten_ops import arg
+from fxpar.frontend.rules.opclass import BatchNorm, Norm, Pointwise, Reduce, Window, classify
+from fxpar.passes.spatial_region import SpatialLayout
+from fxpar.passes.split_stages import model_output
+from fxpar.runtime.spatial.interp import TileInterp
+from fxpar.runtime.spatial.norms import TileGroupNorm
+from fxpar.runtime.spatial.ops import (
     AvgDivisor,
     Halo,
     HaloOp,
     Join,
     TileBatchNorm,
 )
-from fxpar.spatial.reduce import TileReduce
-from passes.spatial_region import SpatialLayout
-from passes.split_stages import model_output
+from fxpar.runtime.spatial.reduce import TileReduce
 
 aten = torch.ops.aten
 
@@ -95,18 +95,28 @@ def _halo(ctx: _Ctx, before: fx.Node, x: fx.Node, needs: list[Rect], fill: float
     return node
 
 
-def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
+def window_needs(grid: Grid, n: fx.Node, op: Window) -> list[Rect]:
+    """Per tile of ``grid``, the window of its input ``n.args[0]`` that windowed op ``n``
+    needs for the tile's part of its output (may reach past the image: padding)."""
     x = n.args[0]
     assert isinstance(x, fx.Node)
     out_ext, in_ext = _extent(n), _extent(x)
     image = Rect((0, in_ext[0]), (0, in_ext[1]))
     needs = []
-    for u in range(ctx.grid.size):
-        r = ctx.grid.tile_rect(out_ext, u)
+    for u in range(grid.size):
+        r = grid.tile_rect(out_ext, u)
         need = Rect(op.needs(r.h, 0), op.needs(r.w, 1))
         if op.kind == "interp":  # border rows repeat (clamp, reflect): no fill past it
             need = need.intersect(image) or need
         needs.append(need)
+    return needs
+
+
+def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
+    x = n.args[0]
+    assert isinstance(x, fx.Node)
+    out_ext, in_ext = _extent(n), _extent(x)
+    needs = window_needs(ctx.grid, n, op)
     own = ctx.grid.tile_rect(out_ext, ctx.tile)
     need = needs[ctx.tile]
     g = ctx.gm.graph
@@ -123,7 +133,7 @@ def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
 def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, needs: list[Rect], own: Rect,
            in_ext: tuple[int, int], out_ext: tuple[int, int]) -> fx.Node:
     """One HaloOp node: exchange + op, keeping only the tile and the halo pieces for
-    backward (see fxpar.spatial.ops._HaloOp)."""
+    backward (see fxpar.runtime.spatial.ops._HaloOp)."""
     g = ctx.gm.graph
     ex = exchange(ctx.grid, in_ext, needs, ctx.tile, op.fill)
     args: tuple[Any, ...] = (x,)
@@ -280,7 +290,7 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
                 _tile_norm(ctx, n, op)
             elif getattr(n.target, "overloadpacket", None) in (aten.reshape, aten.view):
                 _tile_reshape(ctx, n)  # inside a per-pixel island: the tile's H and W
-            elif isinstance(op, BatchNorm):  # fxpar.capture's BatchNormOp
+            elif isinstance(op, BatchNorm):  # fxpar.frontend.capture's BatchNormOp
                 _tile_batch_norm(ctx, n)
             continue
         tiled_ins = [a for a in n.all_input_nodes if _tiled(a) and a not in ctx.replicated]
@@ -306,3 +316,79 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def input_windows(stage: fx.GraphModule, grid: Grid, batch_inputs: set[int]
+                  ) -> list[Rect | None] | None:
+    """What each tile of ``grid`` reads of the model input (the stage's inputs at positions
+    ``batch_inputs``, whole on every rank): per tile, the bounding box of the windows the
+    halos :func:`tile_stage` puts on the input take, clipped to the image, or the whole image
+    where an op reads the input as it is; None for a tile that reads none of it. Worked out
+    from the stage graph for all tiles at once, without rewriting it: the cases below are
+    tile_stage's, in its order. None (no windows) when the input is not an image."""
+    placeholders = [n for n in stage.graph.nodes if n.op == "placeholder"]
+    inputs = [placeholders[i] for i in sorted(batch_inputs)]
+    if not inputs:
+        return [None] * grid.size
+    for x in inputs:
+        info = meta.find(x, TensorInfo)
+        if info is None or len(info.shapes) != 1 or len(info.shapes[0]) != 4:
+            return None
+    reads: list[list[Rect]] = [[] for _ in range(grid.size)]
+    for x in inputs:
+        image = Rect((0, _extent(x)[0]), (0, _extent(x)[1]))
+        for n in x.users:
+            for u, need in enumerate(_reads(stage, grid, n, x)):
+                inside = image if need is None else need.intersect(image)
+                if inside is not None:
+                    reads[u].append(inside)
+    return [bounding(rs) if rs else None for rs in reads]
+
+
+
+def _reads(gm: fx.GraphModule, grid: Grid, n: fx.Node, x: fx.Node) -> list[Rect | None]:
+    """Per tile, what node ``n`` of the untiled stage reads of the whole input ``x`` once
+    :func:`tile_stage` has rewritten it: a window, or None for all of it."""
+    whole: list[Rect | None] = [None] * grid.size
+    if n.op in ("placeholder", "get_attr", "output") or n.target is model_output or \
+            not _tiled(n) or _mentions(n.kwargs, x):  # outside the region: x stays whole
+        return whole
+    tiles = [grid.tile_rect(_extent(x), u) for u in range(grid.size)]
+    windows: list[list[Rect]] = []
+    args: list[Any] = list(n.args)
+    lay = meta.find(n, SpatialLayout)
+    if lay is not None and lay.island and args and args[0] is x and \
+            not getattr(meta.find(x, SpatialLayout), "island", False):  # _island_entry
+        windows.append(tiles)
+        args[0] = None
+    op = classify(gm, n)
+    if isinstance(op, Window) and args and args[0] is x:
+        windows.append(window_needs(grid, n, op))
+        args[0] = None
+    elif isinstance(op, Pointwise) and _mentions(args, x) and _sliced(n, x):
+        windows.append(tiles)
+        args = [fx.node.map_arg(a, lambda v: None if v is x else v) for a in args]
+    elif isinstance(op, (Norm, BatchNorm)) and args and args[0] is x and _sliced(n, x):
+        windows.append(tiles)
+        args[0] = None
+    if not windows or _mentions(args, x):  # left as it is: the op reads the whole input
+        return whole
+    return [bounding([w[u] for w in windows]) for u in range(grid.size)]
+
+
+def _sliced(n: fx.Node, x: fx.Node) -> bool:
+    """_as_tile slices the whole input ``x`` to the tile where it has ``n``'s extent (else
+    ``n`` broadcasts it)."""
+    return _extent(x) == _extent(n)
+
+
+def _mentions(args: Any, x: fx.Node) -> bool:
+    found: list[fx.Node] = []
+    fx.node.map_arg(args, lambda a: found.append(a) or a)  # type: ignore[func-returns-value]
+    return x in found
+
+
+def bounding(rects: list[Rect]) -> Rect:
+    """The smallest rectangle holding every one of ``rects`` (not empty)."""
+    return Rect((min(r.h[0] for r in rects), max(r.h[1] for r in rects)),
+                (min(r.w[0] for r in rects), max(r.w[1] for r in rects)))

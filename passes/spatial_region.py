@@ -1,7 +1,7 @@
 """Pass: find the spatial region — the nodes that run on image tiles.
 
 The region grows forward from the model's 4-D inputs through ops fxpar knows how to run on tiles
-(fxpar.spatial.opclass). It ends before the first op that is not one of them (flatten, view,
+(fxpar.frontend.rules.opclass). It ends before the first op that is not one of them (flatten, view,
 linear, an unknown function: it is named in the node's ``SpatialLayout.reason``), before an
 op whose output would leave some rank an empty tile, and before a pointwise op with an operand
 that is not tiled but varies along a split dim (a learned H x 1 bias map with H split).
@@ -20,13 +20,13 @@ from typing import Any, ClassVar
 import torch
 from torch import fx
 
-from fxpar import meta
-from fxpar.capture import where
-from fxpar.meta import NodeCost, TensorInfo
-from fxpar.plan import Plan, PlanError
-from fxpar.spatial.geometry import Grid
-from fxpar.spatial.islands import find_islands
-from fxpar.spatial.opclass import Pointwise, Reduce, classify, why_not
+from fxpar.core import meta
+from fxpar.core.geometry import Grid
+from fxpar.core.meta import NodeCost, TensorInfo
+from fxpar.core.plan import Plan, PlanError
+from fxpar.frontend.capture import where
+from fxpar.frontend.rules.islands import find_islands
+from fxpar.frontend.rules.opclass import Pointwise, Reduce, classify, why_not
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class SpatialLayout:
     reason: str = ""
     """For a replicated node with tiled inputs: why the region ends here."""
     island: bool = False
-    """A tiled value inside a per-pixel island (fxpar.spatial.islands): H and W are not dims
+    """A tiled value inside a per-pixel island (fxpar.frontend.rules.islands): H and W are not dims
     2 and 3 (N, H, W, C; or N, R, C, H, W), so it never crosses a stage or meets a join."""
 
 

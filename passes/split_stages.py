@@ -26,9 +26,9 @@ from typing import Any, ClassVar
 import networkx as nx
 from torch import fx
 
-from fxpar import meta
-from fxpar.meta import NodeCost
-from fxpar.plan import Plan, PlanError
+from fxpar.core import meta
+from fxpar.core.meta import NodeCost
+from fxpar.core.plan import Plan, PlanError
 
 BYTE_COST = 8.0
 TOLERANCE = 0.08

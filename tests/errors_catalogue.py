@@ -4,7 +4,7 @@ tests/test_errors.py runs each trigger and checks the exception type and its dis
 tools/errors_doc.py runs them again and pastes the real messages into docs/errors.md. A trigger
 runs in an empty scratch folder (the current directory), so the paths it writes and the messages
 it gets back are relative and the same on every machine. Entries without a trigger are runtime
-failures reachable only under ``mpiexec``; their text comes from fxpar.failfast.
+failures reachable only under ``mpiexec``; their text comes from fxpar.comm.failfast.
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ from errors_triggers import (
     foreign_manifest,
     images,
     meta_model,
+    mixed_dtypes,
     moved_after_step,
     no_communicator,
     no_dot,
+    no_graphviz_package,
     pass_bug,
     rank_failed,
     run_inspect,
@@ -49,6 +51,8 @@ from errors_triggers import (
     sgd,
     shard_missing,
     shared_attribute,
+    small_tag_ub,
+    too_many_tags,
     torn_checkpoint,
     version_missing,
     watchdog_env,
@@ -57,20 +61,22 @@ from errors_triggers import (
 from torch import nn
 
 import fxpar
-from fxpar import Plan, PlanError, TraceError, failfast, zoo
-from fxpar import checkpoint as ckpt
-from fxpar import comm as fxcomm
-from fxpar import device as fxdevice
-from fxpar.checkpoint import CheckpointError
+from fxpar import Plan, PlanError, TraceError
 from fxpar.cli.inspect import UsageError
-from fxpar.data import DataError, FolderBatches, ImageFolder
-from fxpar.device import DeviceError
-from fxpar.draw import DotMissing
-from fxpar.materialize import MaterializeError
-from fxpar.metrics import MetricsError
-from fxpar.passdriver import PassError
-from fxpar.runtime import ActionFailed
-from fxpar.zoo import ModelSpecError
+from fxpar.comm import device as fxdevice
+from fxpar.comm import failfast
+from fxpar.comm import world as fxcomm
+from fxpar.comm.device import DeviceError
+from fxpar.compiler.draw import DotMissing, ExtraMissing
+from fxpar.compiler.passdriver import PassError
+from fxpar.io import checkpoint as ckpt
+from fxpar.io.checkpoint import CheckpointError
+from fxpar.io.data import DataError, FolderBatches, ImageFolder
+from fxpar.io.metrics import MetricsError
+from fxpar.models import zoo
+from fxpar.models.zoo import ModelSpecError
+from fxpar.runtime.loop import ActionFailed
+from fxpar.runtime.materialize import MaterializeError
 
 GROUPS: dict[str, str] = {
     "plan": "Plan fields",
@@ -105,7 +111,7 @@ class Entry:
     trigger: Callable[[], Any] | None = None
     """Raises the error (in a scratch folder, without MPI); None for runtime-only failures."""
     text: Callable[[], str] | None = None
-    """For runtime-only failures: the text fxpar prints, built by fxpar.failfast's functions."""
+    """For runtime-only failures: the text fxpar prints, built by failfast's functions."""
 
 
 # -- the catalogue -------------------------------------------------------------------------------
@@ -250,6 +256,15 @@ CATALOGUE: list[Entry] = [
           PlanError, r"a tensor attribute shared across stages",
           "Set Plan.balance so that every use of the attribute falls in one stage.",
           shared_attribute),
+    Entry("stages-too-many-tags", "stages", "the plan needs MPI tags above 32767 (micro-batches "
+          "x tensors crossing the cuts)", PlanError,
+          r"MPI tags exceed 32767, the largest tag every MPI accepts",
+          "Use fewer micro-batches (or gems_times), or cuts that fewer tensors cross "
+          "(Plan.balance): every message of a step has its own tag.", too_many_tags),
+    Entry("stages-mixed-dtypes", "stages", "gradients summed over ranks for a stage whose "
+          "parameters have several dtypes", PlanError, r"parameters have several dtypes",
+          "Give the model one parameter dtype (model.to(dtype)), or put the layers of the "
+          "other dtype in a stage of their own (Plan.balance).", mixed_dtypes),
     Entry("stages-compiler-bug", "stages", "a compiler pass fails on a valid model and plan",
           PassError, r"pass 'my_pass' failed \(after",
           "A bug in fxpar: report it with the model, the plan and this message (it names the "
@@ -291,6 +306,11 @@ CATALOGUE: list[Entry] = [
           PlanError, r"^rank \d+ is outside this plan's",
           "Use a rank in 0 .. program.world_size - 1.",
           lambda: build(Plan(stages=2)).for_rank(5)),
+    Entry("launch-tag-ub", "launch", "the job's MPI accepts smaller tags than the program uses",
+          PlanError, r"exceed this MPI's MPI_TAG_UB",
+          "Use an MPI with a larger MPI_TAG_UB, or a plan with fewer micro-batches or fewer "
+          "tensors crossing the cuts (the message lists which tags are too large).",
+          small_tag_ub),
     Entry("launch-no-communicator", "launch", "training a multi-rank program made with "
           "for_rank(r), outside mpiexec", PlanError, r"program has no communicator",
           "for_rank(r) is for inspection: train with program.local() under mpiexec.",
@@ -320,7 +340,7 @@ CATALOGUE: list[Entry] = [
     # checkpoints
     Entry("checkpoint-missing", "checkpoint", "resuming from a folder that holds no complete "
           "checkpoint", CheckpointError, r"not a \(complete\) fxpar checkpoint",
-          "Resume from a folder that fxpar.checkpoint.save (fxpar-run --checkpoint) finished.",
+          "Resume from a folder that fxpar.io.checkpoint.save (fxpar-run --checkpoint) finished.",
           lambda: ckpt.read_manifest("ckpt")),
     Entry("checkpoint-pointer", "checkpoint", "the folder's 'latest' file is damaged",
           CheckpointError, r"is not an fxpar checkpoint pointer",
@@ -339,11 +359,11 @@ CATALOGUE: list[Entry] = [
     Entry("checkpoint-other-job", "checkpoint", "resuming with another model, plan or world "
           "size", CheckpointError, r"was saved by another job",
           "Resume with the same model and plan, or change plans through the single-device "
-          "form (fxpar.checkpoint.export, then rank_program.load_state_dict).",
+          "form (fxpar.io.checkpoint.export, then rank_program.load_state_dict).",
           lambda: ckpt.load(saved_checkpoint() and build(Plan(microbatches=2)).local(), "ckpt")),
     Entry("checkpoint-not-collective", "checkpoint", "saving a multi-rank program outside "
           "mpiexec", CheckpointError, r"save is collective",
-          "Call fxpar.checkpoint.save on every rank of program.local() under mpiexec.",
+          "Call fxpar.io.checkpoint.save on every rank of program.local() under mpiexec.",
           lambda: ckpt.save(build(Plan(stages=2)).for_rank(0), "ckpt", step=1)),
     Entry("checkpoint-extra", "checkpoint", "extra= holds something JSON cannot store",
           TypeError, r"checkpoint extra must hold JSON values",
@@ -354,7 +374,7 @@ CATALOGUE: list[Entry] = [
           "Put the checkpoint on a file system every rank reads.", shard_missing),
     Entry("checkpoint-torn", "checkpoint", "a version folder mixes files of two saves",
           CheckpointError, r"files of two saves are mixed",
-          "Load another version (save each step into its own version: fxpar.checkpoint.save "
+          "Load another version (save each step into its own version: fxpar.io.checkpoint.save "
           "does so by itself).",
           torn_checkpoint),
     Entry("checkpoint-optimizer", "checkpoint", "resuming with or without an optimizer, unlike "
@@ -487,6 +507,10 @@ CATALOGUE: list[Entry] = [
           DotMissing, r"the graphviz 'dot' program is not installed",
           "Install graphviz, or write the DOT text with --dot FILE and render it elsewhere.",
           no_dot),
+    Entry("cli-picture-no-extra", "cli", "a picture (--dot, --svg, --timeline) asked for without "
+          "the viz extra", ExtraMissing, r"needs the Python package 'graphviz'.*fxpar\[viz\]",
+          "pip install 'fxpar[viz]' (graphviz and matplotlib); text output never needs them.",
+          no_graphviz_package),
     Entry("device-unknown", "device", "--device / device= names no device", ValueError,
           r"unknown device", "Use auto, cpu, cuda or cuda:N.",
           lambda: fxdevice.bind(None, "tpu")),
@@ -541,7 +565,8 @@ CATALOGUE: list[Entry] = [
 ]
 
 INTERNAL = {
-    "ScheduleError": "the schedule validator's own check (fxpar.simulate): a bug in fxpar",
+    "ScheduleError": "the schedule checks (compiler.simulate, compiler.lower): a bug in fxpar",
+    "PictureError": "the base class of DotMissing and ExtraMissing (each has its entry)",
     "SavedOnly": "not an error: fxpar-run --save-program outside mpiexec ends after saving",
 }
 """Error classes defined in fxpar/ or passes/ that users do not meet as such, and why."""

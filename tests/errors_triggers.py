@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 import fxpar
-from fxpar import Plan, failfast
-from fxpar import checkpoint as ckpt
-from fxpar.passdriver import run_passes
+from fxpar import Plan
+from fxpar.comm import failfast
+from fxpar.compiler.passdriver import run_passes
+from fxpar.io import checkpoint as ckpt
 
 
 # -- small things the triggers use --------------------------------------------------------------
@@ -163,7 +164,7 @@ def foreign_manifest(folder: str, name: str, text: dict[str, Any]) -> str:
 
 
 def device_no_cuda() -> None:
-    from fxpar.device import bind
+    from fxpar.comm.device import bind
 
     with mock.patch("torch.cuda.is_available", return_value=False), \
             mock.patch.object(torch, "__version__", "2.x"), \
@@ -173,7 +174,7 @@ def device_no_cuda() -> None:
 
 
 def device_index() -> None:
-    from fxpar.device import bind
+    from fxpar.comm.device import bind
 
     with mock.patch("torch.cuda.is_available", return_value=True), \
             mock.patch("torch.cuda.device_count", return_value=1):
@@ -181,7 +182,7 @@ def device_index() -> None:
 
 
 def cuda_aware() -> None:
-    from fxpar.device import cuda_aware_mpi
+    from fxpar.comm.device import cuda_aware_mpi
 
     with mock.patch.dict(os.environ, {"FXPAR_CUDA_AWARE": "yes"}):
         cuda_aware_mpi()
@@ -194,10 +195,18 @@ def moved_after_step() -> None:
 
 
 def no_dot() -> None:
-    from fxpar import draw
+    from fxpar.compiler import draw
 
     with mock.patch("shutil.which", return_value=None):
         draw.render_svg(None, "graph.svg")  # type: ignore[arg-type]
+
+
+def no_graphviz_package() -> None:
+    """--dot where the graphviz Python package (the viz extra) is not installed."""
+    from fxpar.compiler import draw
+
+    with mock.patch.dict("sys.modules", {"graphviz": None}):  # None: import raises
+        draw.program_dot(build(Plan(stages=2)))
 
 
 def no_communicator() -> None:
@@ -269,3 +278,34 @@ def rank_failed() -> str:
 def watchdog_fired() -> str:
     return failfast.watchdog_message(3, 600, "receive of (2, 64, 32, 32) float32 from rank 1 "
                                      "(tag 14)", " (while running action 1RECV_F0)")
+
+
+class MixedDtypes(nn.Module):
+    """Parameters of two dtypes (float32 convolution, float64 scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.scale = nn.Parameter(torch.ones(1, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.conv(x) * self.scale.float()).mean((2, 3))
+
+
+def mixed_dtypes() -> None:
+    fxpar.compile(MixedDtypes(), Plan(data_parallel=2), torch.empty(2, 3, 8, 8, device="meta"))
+
+
+def too_many_tags() -> None:
+    mbs = 16385  # one tensor crosses the cut: tags up to 2 x 16385 - 1 = 32769
+    build(Plan(stages=2, microbatches=mbs), shape=(mbs, 3, 8, 8))
+
+
+class SmallTagComm(FakeComm):
+    """An MPI whose MPI_TAG_UB is 5."""
+
+    tag_ub = 5
+
+
+def small_tag_ub() -> None:
+    build(Plan(stages=2, microbatches=4)).for_rank(0, SmallTagComm(2))  # type: ignore[arg-type]

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import fxpar
-from fxpar.spatial.geometry import tile
-from fxpar.spatial.ops import Halo, HaloOp
+from fxpar.core.geometry import tile
+from fxpar.runtime.spatial.ops import Halo, HaloOp
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 

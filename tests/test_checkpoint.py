@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 import fxpar
-from fxpar import checkpoint
-from fxpar.checkpoint import CheckpointError
-from fxpar.materialize import MaterializeError, materialize, materialize_model, module_seed
+from fxpar.cli.checkpoint import main as checkpoint_cli
+from fxpar.io import checkpoint
+from fxpar.io.checkpoint import CheckpointError
+from fxpar.runtime.materialize import MaterializeError, materialize, materialize_model, module_seed
 
 SHAPE = (4, 3, 8, 8)
 
@@ -161,7 +162,7 @@ def test_a_failed_shard_write_raises_and_leaves_the_previous_version(saved, monk
     fresh, _ = one_rank(seed=5)
     assert checkpoint.load(fresh, folder) == 1
     assert_state(fresh, want)
-    assert checkpoint.main(["info", str(folder)]) == 0
+    assert checkpoint_cli(["info", str(folder)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("step 1, 1 ranks") and "unfinished saves" in printed, printed
 
@@ -307,23 +308,23 @@ def test_export_reads_copy_0_in_the_model_order(tmp_path):
 def test_export_command_writes_the_state_dict(tmp_path, capsys):
     want = _write_shards(tmp_path)
     out = tmp_path / "model.pt"
-    assert checkpoint.main(["export", str(tmp_path), str(out)]) == 0
+    assert checkpoint_cli(["export", str(tmp_path), str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out}: 4 tensors (3 parameters, 1 buffers" in printed
     assert "of step 7, from a 2-rank checkpoint" in printed
     assert "(used by no stage): unused" in printed
     got = torch.load(out, weights_only=True)
     assert list(got) == ["w0", "b0", "w1", "n1"] and torch.equal(got["w1"], want["w1"])
-    assert checkpoint.main(["info", str(tmp_path)]) == 0
+    assert checkpoint_cli(["info", str(tmp_path)]) == 0
     assert "step 7, 2 ranks" in capsys.readouterr().out
-    assert checkpoint.main(["export", str(tmp_path / "nothing"), str(out)]) == 1
+    assert checkpoint_cli(["export", str(tmp_path / "nothing"), str(out)]) == 1
     assert "does not exist" in capsys.readouterr().err
 
 
 def test_python_m_fxpar_checkpoint_export(saved, tmp_path):
     folder, rp, _ = saved
     out = tmp_path / "single.pt"
-    run = subprocess.run([sys.executable, "-m", "fxpar.checkpoint", "export", str(folder),
+    run = subprocess.run([sys.executable, "-m", "fxpar.cli.checkpoint", "export", str(folder),
                           str(out)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(f"wrote {out}: ")

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 import fxpar
-from fxpar import checkpoint
+from fxpar.cli.checkpoint import main as checkpoint_cli
+from fxpar.io import checkpoint
 from fxpar.testing import run_cases
 
 PLAN = fxpar.Plan(stages=2, microbatches=2)  # 2 ranks
@@ -66,7 +67,7 @@ def _die_part_way(obj: object, path: str | os.PathLike[str]) -> None:
 
 
 def train_save_then_die_while_saving() -> None:
-    from fxpar.comm import world
+    from fxpar.comm.world import world
 
     comm = world()
     out = Path(os.environ["FXPAR_CRASH_DIR"])
@@ -101,7 +102,7 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, cap
     for k, v in saved[0]["full"].items():
         assert torch.equal(exported[k], v), k
 
-    assert checkpoint.main(["info", str(folder)]) == 0
+    assert checkpoint_cli(["info", str(folder)]) == 0
     info = capsys.readouterr().out
     assert info.startswith("step 1, 2 ranks,"), info
     assert "unfinished saves (ignored; the next save removes them): step-00000002" in info

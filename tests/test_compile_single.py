@@ -11,7 +11,7 @@ import torchvision
 from equivalence import assert_buffers, assert_grads_and_params, assert_same, reference_step
 
 import fxpar
-import models
+from fxpar import models
 from fxpar.testing import run_cases
 
 

@@ -1,5 +1,5 @@
 """The GPU path's logic without a GPU: device binding, CUDA-aware detection, host staging through
-the seam fxpar.comm.Staging, and the torch.distributed Comm on one in-process rank. Multi-rank
+the seam fxpar.comm.mpi.Staging, and the torch.distributed Comm on one in-process rank. Multi-rank
 checks (staging forced, gloo backend, both vs one process) are case_device_paths in
 tests/cases/comm_cases.py."""
 
@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 
-import fxpar.comm_torch as comm_torch
-import fxpar.device as device
-from fxpar.comm import Comm, Staging, _direct
-from fxpar.device import DeviceError, bind, cuda_aware_mpi, node_local
+import fxpar.comm.device as device
+import fxpar.comm.torch_dist as comm_torch
+from fxpar.comm.device import DeviceError, bind, cuda_aware_mpi, node_local
+from fxpar.comm.mpi import Comm, Staging, _direct
 
 _LOCAL = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALNRANKS",
           "OMPI_COMM_WORLD_LOCAL_SIZE")

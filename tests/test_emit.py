@@ -12,8 +12,9 @@ import torch
 import torchvision.models as tvm
 
 import fxpar
-from fxpar.emit import load, rank_sources, save
-from fxpar.schedule import Action
+from fxpar.core.schedule import Action
+from fxpar.io.emit import rank_sources, save
+from fxpar.io.loader import load
 
 SHAPE = (4, 3, 32, 32)
 
@@ -65,7 +66,7 @@ def test_generated_code_is_readable_python(saved):
     _, root = saved
     code = (root / "rank00001" / "c0_s0" / "module.py").read_text()
     assert "class Stage0Tile1(torch.nn.Module):" in code
-    assert "from fxpar.spatial.ops import HaloOp" in code
+    assert "from fxpar.runtime.spatial.ops import HaloOp" in code
     assert "put(self, 'layer1.0.bn1.running_mean', torch.empty((64,), dtype=torch.float64))" \
         in code
     assert "def forward(self, x" in code and "TileBatchNorm" in code
@@ -115,8 +116,8 @@ def test_wrong_world_size_is_a_clear_error(saved):
 
 def test_meta_built_model_saves_real_weights(tmp_path):
     """A model built on meta is materialised rank by rank while saving: the files hold the
-    values fxpar.materialize gives the whole model on one process."""
-    from fxpar.materialize import materialize_model
+    values fxpar.runtime.materialize gives the whole model on one process."""
+    from fxpar.runtime.materialize import materialize_model
 
     with torch.device("meta"):
         model = tvm.resnet18(num_classes=5).double()

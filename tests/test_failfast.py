@@ -1,4 +1,4 @@
-"""fxpar.failfast without MPI: the start-up agreement's decisions and messages, the watchdog's
+"""fxpar.comm.failfast without MPI: the start-up agreement's decisions and messages, the watchdog's
 firing and its message, the hook's installation rules. (What whole jobs do is in
 tests/test_faults.py, under mpiexec.)"""
 
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import fxpar
-from fxpar import failfast
-from fxpar.failfast import Disagreement, agree
+from fxpar.comm import failfast
+from fxpar.comm.failfast import Disagreement, agree
 
 
 class Gathered:
@@ -129,7 +129,7 @@ def test_hook_is_installed_only_in_multi_rank_launches(monkeypatch):
 
 
 def test_watchdog_covers_the_torch_distributed_backend(capfd, monkeypatch, fired):
-    from fxpar.comm_torch import Work
+    from fxpar.comm.torch_dist import Work
 
     class Stuck:  # a process-group request whose peer never comes
         def wait(self) -> None:

@@ -76,6 +76,8 @@ def ran(tmp_path_factory) -> dict[str, Ran]:
         "out_of_memory_in_forward": (_job(3, "out_of_memory_in_forward"), {}),
         "rank_killed": (_job(2, "rank_killed"), {}),
         "rank_stuck": (_job(2, "rank_stuck"), {"FXPAR_WATCHDOG": "3"}),
+        "rank_stuck_torch": (_job(2, "rank_stuck_before_sending"),
+                             {"FXPAR_WATCHDOG": "3", "FXPAR_COMM": "torch"}),
         "ranks_seeded_differently": (_job(2, "ranks_seeded_differently"), {}),
         "cli_data_on_one_rank": (_cli("", "--data /nonexistent"), {}),
         "cli_plans_differ": (_cli("", "--parts 4"), {}),
@@ -103,7 +105,7 @@ def _failed_alone(r: Ran, rank: int, size: int) -> None:
 def test_user_loss_raising_on_the_last_stage_ends_the_job_with_the_grid(ran):
     r = ran["loss_raises"]
     _failed_alone(r, rank=1, size=2)
-    assert r.out.count("fxpar.runtime.ActionFailed: rank 1, step 1, action 1F0: ValueError: "
+    assert r.out.count("fxpar.runtime.loop.ActionFailed: rank 1, step 1, action 1F0: ValueError: "
                        "injected failure in the user's loss") == 1, r.out[-3000:]
     assert "[fxpar rank 1] action 1F0 failed" in r.out
     assert "1F0 <-- ERROR HERE" in r.out  # the failing cell of the step x rank grid
@@ -119,8 +121,8 @@ def test_data_loader_failing_on_one_rank_ends_the_job(ran):
 def test_out_of_memory_in_a_stage_forward_ends_the_job(ran):
     r = ran["out_of_memory_in_forward"]
     _failed_alone(r, rank=2, size=3)
-    assert r.out.count("fxpar.runtime.ActionFailed: rank 2, step 1, action 1F0: RuntimeError: "
-                       "[enforce fail") == 1, r.out[-3000:]
+    assert r.out.count("fxpar.runtime.loop.ActionFailed: rank 2, step 1, action 1F0: "
+                       "RuntimeError: [enforce fail") == 1, r.out[-3000:]
     assert "DefaultCPUAllocator: can't allocate memory" in r.out
 
 
@@ -137,6 +139,18 @@ def test_stuck_rank_is_ended_by_the_watchdog(ran):
     assert r.rc != 0 and r.seconds < BOUND, (r.rc, r.seconds, r.out[-3000:])
     assert r.out.count("fxpar watchdog: rank 0 waited") == 1, r.out[-3000:]
     assert "over ranks [0, 1] (while running action 0F0)" in r.out, r.out[-3000:]
+
+
+def test_watchdog_ends_a_job_stuck_in_a_torch_distributed_receive(ran):
+    """FXPAR_COMM=torch (gloo on CPU): the waiting rank's watchdog describes the receive it
+    waits in and ends the job (the description once crashed the watchdog thread)."""
+    r = ran["rank_stuck_torch"]
+    assert r.rc is not None, f"the job hung:\n{r.out[-3000:]}"
+    assert r.rc != 0 and r.seconds < BOUND, (r.rc, r.seconds, r.out[-3000:])
+    assert r.out.count("fxpar watchdog: rank 1 waited") == 1, r.out[-3000:]
+    assert "float64 from rank 0 (tag " in r.out and "(while running action 1F0)" in r.out, \
+        r.out[-3000:]
+    assert "failed; ending the whole job" not in r.out, r.out[-3000:]  # no crash in it
 
 
 def test_ranks_that_built_different_weights_stop_at_start_up(ran):

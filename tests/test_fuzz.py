@@ -41,8 +41,8 @@ from hypothesis import HealthCheck, given, note, reject, seed, settings
 from hypothesis import strategies as st
 
 import fxpar
-from fxpar.plan import Plan, PlanError
-from passes.split_stages import compute_nodes as traced_compute_nodes
+from fxpar.core.plan import Plan, PlanError
+from fxpar.passes.split_stages import compute_nodes as traced_compute_nodes
 
 CI_EXAMPLES = 40
 """Examples CI checks (with shrinking only when one fails): well under 1 s each."""

@@ -6,9 +6,9 @@ steps, BatchNorm running statistics."""
 import pytest
 from launch import cases_in, check, launch
 
-from fxpar.plan import Plan
-from fxpar.schedule import Action, pipeline
-from fxpar.simulate import ScheduleError, interleave, simulate
+from fxpar.compiler.simulate import ScheduleError, interleave, simulate
+from fxpar.core.plan import Plan
+from fxpar.core.schedule import Action, pipeline
 
 CASES, NAMES = cases_in("gems_dp_cases.py")
 
@@ -31,7 +31,7 @@ def _gems_queues(stages: int, m: int, name: str) -> dict[int, list[list[Action]]
 
 @pytest.mark.parametrize("stages, m, name", [(2, 1, "gpipe"), (3, 2, "1f1b"), (4, 4, "gpipe")])
 def test_gems_merge_is_deadlock_free_and_fills_bubbles(stages, m, name):
-    from fxpar.schedule import chain
+    from fxpar.core.schedule import chain
 
     links = chain(stages)
     merged = interleave(_gems_queues(stages, m, name), links)
@@ -51,8 +51,8 @@ def test_gems_merge_reports_an_impossible_order():
 def test_rank_map_of_a_full_5d_plan():
     plan = Plan(stages=2, spatial_parts=2, gems=True, data_parallel=2, microbatches=2)
     assert plan.world_size == 6 and plan.chunks() == 8
-    from fxpar.plan import RankMap
-    from passes.mirror import first_chunk, stage_groups
+    from fxpar.core.plan import RankMap
+    from fxpar.core.roles import first_chunk, stage_groups
 
     rm = RankMap(plan)
     assert stage_groups(rm) == {0: (0, 1, 2, 3, 4, 5), 1: (0, 2, 3, 5)}
@@ -62,9 +62,9 @@ def test_rank_map_of_a_full_5d_plan():
 def _merged(plan: Plan) -> tuple[dict, dict]:
     """The compiler's per-rank schedule for ``plan`` on a chain of stages, and its tile
     groups."""
-    from fxpar.compiler import rank_schedules
-    from fxpar.plan import RankMap
-    from fxpar.schedule import chain
+    from fxpar.compiler.driver import rank_schedules
+    from fxpar.core.plan import RankMap
+    from fxpar.core.schedule import chain
 
     rm = RankMap(plan)
     return rank_schedules(rm, chain(plan.stages)), rm.tile_groups()
@@ -74,7 +74,7 @@ def test_gems_with_tiles_merges_copies_in_one_order_per_tile_group(monkeypatch):
     # 3 tiles, 2 stages, GEMS: ranks 1 and 2 are tiles of both copies' spatial stage. Merged
     # rank by rank, rank 1 ran copy 1's forward while rank 2 ran copy 0's backward, each
     # waiting for the other inside a collective (found by tests/test_fuzz.py)
-    from fxpar.plan import RankMap
+    from fxpar.core.plan import RankMap
 
     plan = Plan(stages=2, spatial_parts=3, gems=True, microbatches=3, schedule="1f1b")
     links = {0: {1}, 1: set()}

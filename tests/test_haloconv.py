@@ -1,4 +1,4 @@
-"""fxpar.spatial.haloconv: a tile's convolution split into its own part and halo bands gives
+"""runtime.spatial.haloconv: a tile's convolution split into its own part and halo bands gives
 exactly the outputs, input gradients (tile and halo cells) and parameter gradients that the
 convolution of the whole image gives on that tile, for every tile of many grids and
 geometries (no MPI: the halo pieces are cut from the whole image)."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fxpar.spatial import haloconv
-from fxpar.spatial.geometry import Grid, Rect, exchange, out_extent, window_rows
+from fxpar.core.geometry import Grid, Rect, exchange, out_extent, window_rows
+from fxpar.runtime.spatial import haloconv
 
 GEOMETRIES = [(k, s, p, d) for k, s, p, d in itertools.product([1, 3, 5], [1, 2, 3], [0, 1, 2],
                                                                 [1, 2])
@@ -110,9 +110,9 @@ def test_thin_tiles_keep_the_window_path():
 
 
 def test_window_assembly_pads_exactly_outside_the_image():
-    """fxpar.spatial.ops._rebuild (the window path) writes the tile and the pieces, and the
+    """fxpar.runtime.spatial.ops._rebuild (the window path) writes the tile and the pieces, and the
     pad value only outside the image, for tiles and for a replicated tensor."""
-    from fxpar.spatial.ops import _rebuild
+    from fxpar.runtime.spatial.ops import _rebuild
 
     gen = torch.Generator().manual_seed(0)
     for (h, w), grid_shape, k, s, p in itertools.product(

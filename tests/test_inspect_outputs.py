@@ -9,19 +9,19 @@ import json
 import re
 import shutil
 
-import graphviz
 import matplotlib.image
 import pytest
 import torch
 from torch import nn
 
 import fxpar
-from fxpar import draw, memory
 from fxpar.cli.inspect import PASS_NAMES, main
-from fxpar.emit import rank_sources
-from fxpar.report import nbytes, node_table
-from fxpar.simulate import simulate, stage_costs
-from passes.split_stages import StageAssignment
+from fxpar.compiler import draw, memory
+from fxpar.compiler.report import node_table
+from fxpar.compiler.simulate import simulate, stage_costs
+from fxpar.core.units import nbytes
+from fxpar.io.emit import rank_sources
+from fxpar.passes.split_stages import StageAssignment
 
 # A tiny CNN whose sizes are easy to compute by hand: 3x8x8 images, batch 4, 2 micro-batches.
 NET = '''
@@ -66,7 +66,7 @@ def spatial(net, *extra):
 
 
 def build(net, stages=2, schedule="gpipe", dtype=torch.float32, **plan):
-    from fxpar.zoo import build_model
+    from fxpar.models.zoo import build_model
 
     model = build_model(net["net"]).to(dtype)
     plan = fxpar.Plan(stages=stages, microbatches=2, schedule=schedule,
@@ -81,7 +81,7 @@ def program(net):
 
 
 def spatial_program(net):
-    from fxpar.zoo import build_model
+    from fxpar.models.zoo import build_model
 
     model = build_model(net["spatial"])
     plan = fxpar.Plan(stages=2, spatial_parts=2, balance=(6, 1))
@@ -113,7 +113,7 @@ def test_after_trace_is_the_node_table_of_the_traced_micro_batch(capsys, net):
     rc, out, _ = cli(capsys, *small(net, "--stages", 2, "--microbatches", 2, "--after",
                                     "trace"))
     assert rc == 0
-    from fxpar.zoo import build_model
+    from fxpar.models.zoo import build_model
 
     traced = fxpar.trace(build_model(net["net"]), (2, 3, 8, 8))  # per micro-batch of 2
     dump = out.split("after pass 'trace':\n")[1]
@@ -134,7 +134,7 @@ def test_after_split_stages_adds_the_stage_of_every_node(capsys, net, program):
     assert [got[k] for k in ("conv2d", "relu", "conv2d_1", "flatten", "linear")] == \
         ["0", "0", "1", "1", "1"]
     assert "def forward(self, input):" in out  # --code: the graph's Python
-    assert "model_output = passes_split_stages_model_output(linear)" in out
+    assert "model_output = fxpar_passes_split_stages_model_output(linear)" in out
 
 
 def test_after_region_passes_show_the_spatial_layout(capsys, net):
@@ -164,7 +164,7 @@ def test_after_halo_prints_the_tile_module_of_the_rank(capsys, net):
     assert re.search(r"HaloOp .* scatter: slice rows -1:17 cols -1:9 of the whole tensor", out)
     assert re.search(r"HaloOp .* halo t=0 b=0 l=0 r=0 \(no exchange\)", out)  # 2x2 pool
     assert re.search(r"HaloOp .* halo t=1 b=1 l=1 r=1 <- tiles \[1\] -> tiles \[1\]", out)
-    assert re.search(r"TileBatchNorm .* BatchNorm statistics: allreduce over tiles", out)
+    assert re.search(r"TileBatchNorm .* BatchNorm statistics: allgather over tiles", out)
     assert re.search(r"Join .* join: gather 2 tiles", out)
     rc, out, _ = cli(capsys, *spatial(net, "--after", "halo", "--rank", 1, "--code"))
     assert rc == 0 and "Tile1 " in out and "halo t=1 b=1 l=1 r=1 <- tiles [0]" in out
@@ -196,8 +196,24 @@ def test_dot_has_a_cluster_per_stage_coloured_nodes_and_marked_transfers(capsys,
     rc, out, _ = cli(capsys, *spatial(net, "--dot", f))
     assert rc == 0 and f"wrote {f} (DOT" in out
     text = f.read_text()
-    src = graphviz.Source(text)
-    assert src.source == text and text.count("{") == text.count("}")
+    nodes, edges = _parse_dot(text)
+    # every edge joins declared nodes (DOT would silently invent a missing one)
+    declared = {n for cluster in nodes.values() for n in cluster}
+    assert all(a in declared and b in declared for cluster in edges.values()
+               for a, b in cluster), edges
+    # the tile module and the last stage, by hand: their ops in data-flow order (parameters and
+    # buffers aside) and how many get_attr inputs each op reads
+    assert _chain(nodes["cluster_stage0"], edges["cluster_stage0"]) == [
+        ("placeholder", 0), ("HaloOp", 2), ("TileBatchNorm", 5), ("relu", 0),
+        ("HaloOp", 0), ("HaloOp", 2), ("Join", 0), ("flatten", 0), ("output", 0)]
+    assert _chain(nodes["cluster_stage1"], edges["cluster_stage1"]) == [
+        ("placeholder", 0), ("linear", 2), ("model_output", 0), ("output", 0)]
+    ops0 = list(nodes["cluster_stage0"].values())
+    assert ops0.count("get_attr") == 9  # 2 convolutions' weight and bias, BN's 5 tensors
+    # the one transfer: stage 0's flatten to stage 1's input, outside both clusters
+    (tail, head), = edges[""]
+    assert nodes["cluster_stage0"][tail] == "flatten" and \
+        nodes["cluster_stage1"][head] == "placeholder"
     for s in (0, 1):
         assert f"subgraph cluster_stage{s} {{" in text
         assert f'fillcolor="{draw.STAGE_COLOURS[s]}"' in text
@@ -215,6 +231,49 @@ def test_dot_has_a_cluster_per_stage_coloured_nodes_and_marked_transfers(capsys,
         assert (int(a), int(b)) == (t.src, t.dst) and head.startswith(f"s{t.dst}_")
         assert "x".join(map(str, t.shape)) in label and nbytes(t.nbytes) in label
     assert text.count(f'fontcolor="{draw.TRANSFER["color"]}"') == len(prog.graph.transfers) + 1
+
+
+def _parse_dot(text: str) -> tuple[dict[str, dict[str, str]], dict[str, list[tuple[str, str]]]]:
+    """The DOT that graphviz.Digraph writes, read back without the ``dot`` program: per
+    subgraph (top level: ""), node id -> op (the second line of its label), and its edges."""
+    nodes: dict[str, dict[str, str]] = {"": {}}
+    edges: dict[str, list[tuple[str, str]]] = {"": []}
+    stack = [""]
+    for line in text.splitlines()[1:]:
+        line = line.strip()
+        if m := re.fullmatch(r"subgraph (\w+) \{", line):
+            stack.append(m[1])
+            nodes[m[1]], edges[m[1]] = {}, []
+        elif line == "}":
+            stack.pop()
+        elif m := re.match(r"(\w+) -> (\w+)(?: \[|$)", line):
+            edges[stack[-1]].append((m[1], m[2]))
+        elif m := re.match(r'(\w+) \[label="([^"]*)"', line):
+            nodes[stack[-1]][m[1]] = m[2].split("\\n")[1] if "\\n" in m[2] else m[2]
+    assert stack == [], f"unbalanced braces: {stack}"
+    return nodes, edges
+
+
+def _chain(nodes: dict[str, str], edges: list[tuple[str, str]]) -> list[tuple[str, int]]:
+    """The ops of a stage that is one path from its input to its output (get_attr nodes
+    aside), in order, each with the number of get_attr nodes feeding it."""
+    attrs = {n for n, op in nodes.items() if op == "get_attr"}
+    succ: dict[str, list[str]] = {}
+    fed = dict.fromkeys(nodes, 0)
+    for a, b in edges:
+        if a in attrs:
+            fed[b] += 1
+        else:
+            succ.setdefault(a, []).append(b)
+    start = [n for n, op in nodes.items() if op == "placeholder"]
+    assert len(start) == 1, start
+    path = start
+    while path[-1] in succ:
+        nxt = succ[path[-1]]
+        assert len(nxt) == 1, f"{path[-1]} feeds {nxt}: not a chain"
+        path.append(nxt[0])
+    assert set(path) | attrs == set(nodes), set(nodes) - set(path) - attrs
+    return [(nodes[n], fed[n]) for n in path]
 
 
 def test_svg_without_dot_says_how_to_get_it(capsys, net, tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Interpolation on tiles (fxpar.spatial.interp): every tile's rows, gathered from the window
+"""Interpolation on tiles (runtime.spatial.interp): every tile's rows, gathered from the window
 its index map asks for, equal the same rows of one device's F.interpolate, for nearest and
 bilinear (both align_corners), integer and fractional scales and target sizes; and reflect /
 replicate padding, an index map too."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fxpar.spatial.geometry import tile
-from fxpar.spatial.interp import AxisMap, TileInterp
+from fxpar.core.geometry import tile
+from fxpar.runtime.spatial.interp import AxisMap, TileInterp
 
 CASES = [  # (in H, in W), interpolate kwargs
     ((5, 7), {"scale_factor": 2}),

@@ -1,6 +1,6 @@
 """Tests of the model zoo: shapes, capture, eager/captured agreement, gradients, sizes.
 
-The compiler relies on every zoo model capturing (``fxpar.trace``: torch.export on a fake
+The compiler relies on every zoo model capturing (``fxpar.frontend.trace``: torch.export on a fake
 input) into an ATen graph that computes exactly what the eager model computes, in training and
 in eval mode, BatchNorm updates included; these tests pin that down on tiny configurations so
 the whole file runs in a few seconds on CPU.
@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import fxpar
-import models
-from models.amoebanet import FactorizedReduce, amoebanetd, stack_sizes
-from models.resnet_v2 import resnet110_v2, resnet_v2
-from models.unet import unet
+from fxpar import models
+from fxpar.models.amoebanet import FactorizedReduce, amoebanetd, stack_sizes
+from fxpar.models.resnet_v2 import resnet110_v2, resnet_v2
+from fxpar.models.unet import unet
 
 # name -> (factory of a tiny model, input shape, expected output shape)
 CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], tuple[int, ...]]] = {
@@ -69,7 +69,7 @@ def test_traced_matches_eager(name, train):
     with torch.no_grad():  # non-trivial BatchNorm running statistics for the eval case
         model.train()
         model(torch.randn_like(x))
-    traced = fxpar.trace(copy.deepcopy(model), x)  # captured in training mode, as compile does
+    traced = fxpar.trace(copy.deepcopy(model), x)  # training mode, as compile
     assert isinstance(traced, fx.GraphModule)
     model.train(train)
     traced.train(train)
@@ -196,9 +196,15 @@ def test_unet_output_spatial_size_equals_input(size):
 
 def test_registry_names_and_build():
     assert set(models.MODELS) == {"amoebanet", "resnet_v2", "resnet110", "unet"}
-    assert isinstance(models.build("amoebanet", num_layers=1, num_filters=8), nn.Module)
-    assert isinstance(models.build("resnet_v2", depth=8), nn.Module)
-    assert isinstance(models.build("resnet110", num_classes=100), nn.Module)
+    # each name builds its own architecture with the keyword arguments passed through
+    amoeba = models.build("amoebanet", num_layers=1, num_filters=8)
+    assert sum(not c.reduction for c in amoeba.cells) == 1
+    assert amoeba(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    resnet = models.build("resnet_v2", depth=8)
+    assert sum(isinstance(m, nn.Conv2d) for m in resnet.modules()) == 7 + 2  # + 2 projections
+    deep = models.build("resnet110", num_classes=100)
+    assert sum(isinstance(m, nn.Conv2d) for m in deep.modules()) == 109 + 2
+    assert deep(torch.randn(1, 3, 32, 32)).shape == (1, 100)
     out = models.build("unet", base_channels=2, depth=1)(torch.randn(1, 3, 4, 4))
     assert out.shape == (1, 2, 4, 4)
 

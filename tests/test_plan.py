@@ -2,7 +2,7 @@
 
 import pytest
 
-from fxpar.plan import Plan, PlanError, RankMap, Role
+from fxpar.core.plan import Plan, PlanError, RankMap, Role
 
 
 def test_defaults_are_the_trivial_plan():

@@ -2,8 +2,8 @@
 
 import pytest
 
-from fxpar.schedule import Action, add_comm, chain, format_grid, gpipe, one_f_one_b, pipeline
-from fxpar.simulate import ScheduleError, simulate, validate
+from fxpar.compiler.simulate import ScheduleError, simulate, validate
+from fxpar.core.schedule import Action, add_comm, chain, format_grid, gpipe, one_f_one_b, pipeline
 
 
 def table(order):

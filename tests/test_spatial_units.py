@@ -11,8 +11,8 @@ import torchvision
 from torch import nn
 
 import fxpar
-import models
-from fxpar.spatial.geometry import (
+from fxpar import models
+from fxpar.core.geometry import (
     Grid,
     Rect,
     avg_counts,
@@ -22,9 +22,9 @@ from fxpar.spatial.geometry import (
     transposed_rows,
     window_rows,
 )
-from fxpar.spatial.opclass import Reduce, classify
-from fxpar.trace import trace
-from passes.spatial_region import Coverage, region_ends, spatial_region
+from fxpar.frontend.rules.opclass import Reduce, classify
+from fxpar.frontend.trace import trace
+from fxpar.passes.spatial_region import Coverage, region_ends, spatial_region
 
 
 def rows_read(op, n, out):
@@ -200,8 +200,8 @@ def test_tile_programs_print_their_halos():
 def test_coverage_counts_the_flops_on_tiles_and_warns_naming_the_op():
     """Coverage = forward FLOPs of tiled ops / FLOPs of all ops on image tensors, computed
     here by hand: only the first convolution runs on tiles (PixelShuffle has no rule)."""
-    from fxpar.compiler import CoverageWarning
-    from passes.spatial_region import Coverage
+    from fxpar.compiler.driver import CoverageWarning
+    from fxpar.passes.spatial_region import Coverage
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.PixelShuffle(2),
                           nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1),
@@ -218,7 +218,7 @@ def test_coverage_counts_the_flops_on_tiles_and_warns_naming_the_op():
 def test_a_model_tiled_to_its_head_has_full_coverage_and_no_warning():
     import warnings
 
-    from passes.spatial_region import Coverage
+    from fxpar.passes.spatial_region import Coverage
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -6,12 +6,13 @@ import torch
 import torchvision
 from torch import nn
 
-import models
-from fxpar.passdriver import run_passes
-from fxpar.plan import Plan, PlanError
-from fxpar.stages import StageGraph, build_stages
-from fxpar.trace import trace
-from passes.split_stages import compute_nodes, cut_traffic, split_stages
+from fxpar import models
+from fxpar.compiler.passdriver import run_passes
+from fxpar.compiler.stages import build_stages
+from fxpar.core.plan import Plan, PlanError
+from fxpar.core.stages import StageGraph
+from fxpar.frontend.trace import trace
+from fxpar.passes.split_stages import compute_nodes, cut_traffic, split_stages
 
 
 def staged(model, shape, **plan):

@@ -91,7 +91,7 @@ def fxpar_balance(model: Any) -> tuple[int, int]:
     """fxpar's ``Plan.balance`` that starts stage 1 at the first node of ``SPLIT`` (balance
     counts compute nodes in graph order, the split pass's own ``compute_nodes``)."""
     import fxpar
-    from passes.split_stages import compute_nodes
+    from fxpar.passes.split_stages import compute_nodes
 
     nodes = compute_nodes(fxpar.trace(model, (8, 3, IMAGE, IMAGE)))
     idx = next(i for i, n in enumerate(nodes) if n.name.startswith(f"{SPLIT}_0"))

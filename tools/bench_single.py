@@ -59,7 +59,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
     import torch.nn.functional as F
 
     import fxpar
-    from fxpar.zoo import build_model
+    from fxpar.models.zoo import build_model
 
     torch.set_num_threads(a.threads)
     dev = torch.device(a.device)

@@ -5,7 +5,7 @@
     AmoebaNet-D at 1024x1024. Each round launches every system as a fresh process, in rotated
     order, after a quiet spell (``benchlib.measure``); the ratio is taken within the round.
 (c) Halo bytes: the bytes fxpar's halo exchanges really send in one train step (``Comm.isend``
-    counted while ``fxpar.spatial.ops._window`` / ``_window_grad`` run) against a minimum
+    counted while ``fxpar.runtime.spatial.ops._window`` / ``_window_grad`` run) against a minimum
     computed here from the model alone: for each conv / pool / pad layer, the input cells each
     tile's outputs read that lie in other tiles, x channels x batch x bytes; backward sends the
     same amount back. Layers that read the model input are not counted: every rank reads its
@@ -62,7 +62,7 @@ def build(name: str, amoeba: str = "2,64", meta: bool = False, classes: int = CL
     import torchvision
 
     if name == "amoebanet":
-        from fxpar.zoo import build_model
+        from fxpar.models.zoo import build_model
 
         layers, filters = (int(v) for v in amoeba.split(","))
         return build_model("models:amoebanet", meta=meta, num_layers=layers,
@@ -104,8 +104,8 @@ def instrument_halos(modules: list[Any]) -> dict[str, float]:
     (``halo_fwd_bytes`` / ``halo_bwd_bytes``) from every other isend (joins, pipeline transfers:
     ``other_bytes``), however the op is implemented inside. ``halo_wait_s``: seconds blocked in
     a ``waitall`` that includes a halo request. Returns the live counters."""
-    from fxpar.comm import Comm
-    from fxpar.spatial.ops import Halo, HaloOp
+    from fxpar.comm.mpi import Comm
+    from fxpar.runtime.spatial.ops import Halo, HaloOp
 
     fwd = {m.tag for mod in modules for m in mod.modules() if isinstance(m, (Halo, HaloOp))}
     bwd = {t + 1 for t in fwd}
@@ -171,7 +171,7 @@ def worker(a: argparse.Namespace) -> None:
     if a.system == "eager":
         step, params = eager_step(model, x, y), list(model.parameters())
     elif a.system == "ideal":  # each rank trains alone on its vertical strip: no messages
-        from fxpar.comm import world
+        from fxpar.comm.world import world
 
         comm = world()
         w = a.image

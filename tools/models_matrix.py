@@ -102,7 +102,7 @@ depth off (random masks are outside the contract).
 
 **Coverage** is the share of the forward FLOPs on image tensors (ops that read or make a 4-D
 tensor at least as large as the tile grid) that runs on tiles, from `fxpar-inspect` /
-`passes.spatial_region.Coverage`; the classifier head after the global pool is in neither
+`fxpar.passes.spatial_region.Coverage`; the classifier head after the global pool is in neither
 count. `fxpar.compile` warns below 90 % and `Plan(strict=True)` refuses it.
 
 {head}

@@ -1,4 +1,4 @@
-"""``fxpar-checkpoint``: inspect or convert a sharded checkpoint (fxpar.checkpoint).
+"""``fxpar-checkpoint``: inspect or convert a sharded checkpoint (fxpar.io.checkpoint).
 
     fxpar-checkpoint info ckpt/              # step, versions kept, plan, which rank holds what
     fxpar-checkpoint export ckpt/ model.pt   # the single-device state_dict
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fxpar.checkpoint import (
+from fxpar.io.checkpoint import (
     LATEST,
     CheckpointError,
     _complete,
@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _describe(root: Path, version: Path, manifest: dict[str, Any]) -> str:
-    from fxpar.plan import Plan
+    from fxpar.core.plan import Plan
 
     default = Plan().to_json()
     plan = {k: v for k, v in manifest["plan"].items() if default.get(k) != v}

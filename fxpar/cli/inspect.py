@@ -24,19 +24,19 @@ from collections.abc import Sequence
 import torch
 from torch import fx, nn
 
-from fxpar import draw
-from fxpar.compiler import PASSES, links_of
-from fxpar.compiler import compile as fx_compile
-from fxpar.memory import memory_table
-from fxpar.metrics import load_metrics
-from fxpar.passdriver import HALO, TRACE, dump
-from fxpar.plan import SCHEDULES, SLICES, Plan, PlanError
-from fxpar.program import Program
-from fxpar.report import halo_table, node_table, rank_table, stage_table, totals_line
-from fxpar.schedule import format_grid
-from fxpar.simulate import simulate, stage_costs
-from fxpar.trace import TraceError, trace
-from fxpar.zoo import ModelSpecError, build_model, parse_kwargs
+from fxpar.compiler import draw
+from fxpar.compiler.driver import PASSES, links_of
+from fxpar.compiler.driver import compile as fx_compile
+from fxpar.compiler.memory import memory_table
+from fxpar.compiler.passdriver import HALO, TRACE, dump
+from fxpar.compiler.report import halo_table, node_table, rank_table, stage_table, totals_line
+from fxpar.compiler.simulate import simulate, stage_costs
+from fxpar.core.plan import SCHEDULES, SLICES, Plan, PlanError
+from fxpar.core.schedule import format_grid
+from fxpar.frontend.trace import TraceError, trace
+from fxpar.io.metrics import load_metrics
+from fxpar.io.program import Program
+from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
 
 
 def parser() -> argparse.ArgumentParser:
@@ -126,7 +126,7 @@ def _print_views(args: argparse.Namespace, program: Program, dumps: dict[str, st
         print(f"after pass {args.after!r}:")
         print(dumps[args.after])
     if args.rank is not None and args.after is None:
-        from fxpar.emit import rank_sources
+        from fxpar.io.emit import rank_sources
 
         for name, text in rank_sources(program, args.rank).items():
             print(f"# ---- rank {args.rank}: {name} ----")
@@ -162,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(args)
     except (ModelSpecError, TraceError, PlanError, ValueError, TypeError,
-            draw.DotMissing, OSError) as e:
+            draw.PictureError, OSError) as e:
         print(f"fxpar-inspect: error: {e}", file=sys.stderr)
         return 2
 

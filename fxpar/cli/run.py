@@ -7,10 +7,10 @@
 
 MPI4DL's flag names are accepted as aliases (``--split-size`` for ``--stages``, ``--parts``
 for ``--microbatches``, ...). Data is synthetic (fixed seed) unless ``--data DIR`` names an image
-folder; each spatial rank then reads only its tile (plus halo) of each image (fxpar.data).
+folder; each spatial rank then reads only its tile (plus halo) of each image (fxpar.io.data).
 Rank 0 prints a progress line per step and, at the end, a per-rank table (stage, tile, peak
 memory, compute vs communication time); ``--metrics FILE`` writes the same as JSON
-(fxpar.metrics). Every user error (bad plan, model, data) is reported before any rank talks
+(fxpar.io.metrics). Every user error (bad plan, model, data) is reported before any rank talks
 to another, as ``fxpar-run: error: ...`` with exit code 2.
 """
 
@@ -27,11 +27,14 @@ from typing import Any
 
 import torch
 
-from fxpar import failfast
-from fxpar.checkpoint import CheckpointError
-from fxpar.comm import Comm
-from fxpar.compiler import compile as fx_compile
-from fxpar.data import (
+from fxpar.comm import failfast
+from fxpar.comm.mpi import Comm
+from fxpar.compiler.driver import compile as fx_compile
+from fxpar.core.geometry import Rect
+from fxpar.core.plan import SCHEDULES, SLICES, Plan, PlanError
+from fxpar.frontend.trace import TraceError
+from fxpar.io.checkpoint import CheckpointError
+from fxpar.io.data import (
     Batch,
     BatchSource,
     DataError,
@@ -40,12 +43,9 @@ from fxpar.data import (
     Synthetic,
     describe,
 )
-from fxpar.metrics import Recorder, gather, table, write_metrics
-from fxpar.plan import SCHEDULES, SLICES, Plan, PlanError
-from fxpar.program import _LAUNCHER_VARS, RankProgram
-from fxpar.spatial.geometry import Rect
-from fxpar.trace import TraceError
-from fxpar.zoo import ModelSpecError, build_model, parse_kwargs
+from fxpar.io.metrics import Recorder, gather, table, write_metrics
+from fxpar.io.program import _LAUNCHER_VARS, RankProgram
+from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
 
 # (dest, flag, default) of the plan flags: defaults are applied after parsing, so a saved
 # program can tell which plan flags were given (they are an error there: its plan is fixed).
@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where each rank computes: cuda binds rank r of a node to GPU r %% GPUs "
-                   "(fxpar.device); auto: cuda when available (default)")
+                   "(fxpar.comm.device); auto: cuda when available (default)")
     p.add_argument("--data", type=Path, default=None, metavar="DIR",
                    help="image folder DIR/<class>/<image> (.npy, PNG, JPEG, TIFF); every image "
                    "image-size x image-size; default: synthetic data")
@@ -93,13 +93,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=None, metavar="K",
                    help="progress line every K steps (default 1, or about 50 lines in all)")
     p.add_argument("--metrics", type=Path, default=None, metavar="OUT.json",
-                   help="write per-rank metrics (format: fxpar.metrics) on rank 0")
+                   help="write per-rank metrics (format: fxpar.io.metrics) on rank 0")
     p.add_argument("--save-program", type=Path, default=None, metavar="DIR",
-                   help="write the compiled per-rank programs to DIR (fxpar.emit); without "
+                   help="write the compiled per-rank programs to DIR (fxpar.io.emit); without "
                    "mpiexec: write every rank's and exit; under mpiexec each rank writes its "
                    "own, then trains (--steps 0: only write)")
     p.add_argument("--checkpoint", type=Path, default=None, metavar="DIR",
-                   help="save a sharded checkpoint to DIR at the end (fxpar.checkpoint)")
+                   help="save a sharded checkpoint to DIR at the end (fxpar.io.checkpoint)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help="with --checkpoint: also every K steps")
     p.add_argument("--watchdog", type=float, default=None, metavar="SECONDS",
@@ -210,7 +210,7 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
         raise SavedOnly(program.save(a.save_program), program.world_size)
     rp = program.local(comm)
     if a.save_program is not None:  # each rank writes its own folder, rank 0 the manifest
-        from fxpar.emit import save
+        from fxpar.io.emit import save
 
         save(program, a.save_program, ranks=[rp.rank], manifest=rp.rank == 0)
     return Job(rp, source, rp.input_window(), shape, dtype, took)
@@ -218,7 +218,8 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
 
 def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:
     """A program folder written by ``program.save``: its plan, model and batch size."""
-    from fxpar.emit import load, read_program
+    from fxpar.io.layout import read_program
+    from fxpar.io.loader import load
 
     given = [flag for dest, flag, _ in PLAN_FLAGS if getattr(a, dest) is not None]
     given += [flag for dest, flag in MODEL_FLAGS if getattr(a, dest) is not None]
@@ -237,6 +238,8 @@ def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:
         raise PlanError(f"{a.model}/program.json does not record the input size: give "
                         f"--image-size (and --channels if not 3)")
     shape = (batch, a.channels, a.image_size, a.image_size)
+    if info.get("output_shape") and len(info["output_shape"]) >= 2:
+        a.num_classes = int(info["output_shape"][1])  # labels in range of the saved model's
     source = _source(a, shape, getattr(torch, a.dtype))
     t0 = time.perf_counter()
     rp = load(a.model, comm, optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
@@ -258,10 +261,10 @@ def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
     if a.checkpoint_every is not None and (a.checkpoint is None or a.checkpoint_every < 1):
         raise ValueError("--checkpoint-every K needs --checkpoint DIR and K >= 1")
     if a.resume is not None:
-        from fxpar.checkpoint import read_manifest
+        from fxpar.io.checkpoint import read_manifest
 
         read_manifest(a.resume)  # a missing or foreign folder fails here, on every rank
-    from fxpar.device import bind
+    from fxpar.comm.device import bind
 
     launched = comm is not None or any(v in os.environ for v in _LAUNCHER_VARS)
     where = bind((comm or Comm()) if launched and a.device != "cpu" else None, a.device)
@@ -312,7 +315,7 @@ def _resume(rp: RankProgram, a: argparse.Namespace) -> int | None:
     rank alike (the ranks agree first, so none goes on training alone)."""
     if a.resume is None:
         return 0
-    from fxpar.checkpoint import CheckpointError, load
+    from fxpar.io.checkpoint import CheckpointError, load
 
     step, error = None, None
     try:
@@ -335,7 +338,7 @@ def _checkpoint(rp: RankProgram, a: argparse.Namespace, n: int) -> None:
     if a.checkpoint is None:
         return
     if n == a.steps or (a.checkpoint_every and n % a.checkpoint_every == 0):
-        from fxpar.checkpoint import save
+        from fxpar.io.checkpoint import save
 
         save(rp, a.checkpoint, n)
         if rp.rank == 0:
@@ -343,8 +346,18 @@ def _checkpoint(rp: RankProgram, a: argparse.Namespace, n: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
-    """The command line. comm: run on this communicator instead of every MPI rank (tests)."""
+    """The command line. comm: run on this communicator instead of every MPI rank (tests).
+
+    In a job of more than one rank, fail-fast is on from the start (an uncaught exception on
+    any rank ends the whole job) and the hooks found before are put back on return."""
     a = parser().parse_args(argv)
+    held = failfast.install()
+    code = _main(a, comm)
+    failfast.uninstall(held)  # never reached by an exception: that must end the whole job
+    return code
+
+
+def _main(a: argparse.Namespace, comm: Comm | None) -> int:
     checks = failfast.agreements()
     try:
         job = setup(a, comm)
@@ -361,6 +374,7 @@ def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
               f"{describe(job.source)}", flush=True)
     start = _resume(rp, a)
     if start is None:
+        rp.close()
         return 2
     try:
         rec = train(rp, lambda step: job.source.batch(step, job.window), a, start,
@@ -370,17 +384,18 @@ def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
         if rp.comm is None or rp.comm.size == 1:
             raise
         failfast.fail(e)  # one rank failing must end them all, never leave them waiting
+    rp.close()
     return 0
 
 
 def _user_error(e: Exception, comm: Comm | None, checked: bool) -> int:
     """Report a user error once and return 2 on every rank alike. In a multi-rank job a rank
-    that failed before the start-up check (fxpar.failfast.agree, the first communication) still
+    that failed before the start-up check (failfast.agree, the first communication) still
     takes part in it with its error, so the other ranks stop there too instead of waiting;
     after the check (``checked``), the rank ends the whole job."""
     world = comm
     if world is None and failfast.launched():
-        from fxpar.comm import world as mpi_world
+        from fxpar.comm.world import world as mpi_world
 
         world = mpi_world()
     if world is None or world.size == 1:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import fxpar
-from fxpar.comm import world
+from fxpar.comm.world import world
 
 
 def case_p2p_ring() -> None:
@@ -114,7 +114,7 @@ def case_device_paths() -> None:
     pipeline exactly like one process (tests/transparency.py, float64, one step)."""
     from transparency import Case, check
 
-    from fxpar.comm_torch import TorchComm
+    from fxpar.comm.torch_dist import TorchComm
 
     for env in ({"FXPAR_FORCE_STAGING": "1"}, {"FXPAR_COMM": "torch"}):
         os.environ.update(env)

@@ -14,17 +14,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from equivalence import assert_buffers, assert_same, reference_step
+from equivalence import RTOL64, assert_buffers, assert_same, atol64, reference_step
 from PIL import Image
 from torch import nn
 from transparency import sgd, sub_comm
 
 import fxpar
 from fxpar.cli.run import main as fxpar_run
-from fxpar.data import FolderBatches, ImageFolder
-from fxpar.metrics import load_metrics
-from fxpar.spatial.geometry import Rect
-from fxpar.zoo import build_model
+from fxpar.core.geometry import Rect
+from fxpar.io.data import FolderBatches, ImageFolder
+from fxpar.io.metrics import load_metrics
+from fxpar.models.zoo import build_model
 
 HERE = Path(__file__)
 SIZE = 20
@@ -105,13 +105,14 @@ def case_image_folder_spatial_plan_equals_one_process_and_reads_only_windows():
                           for i in idx])
         ys = torch.tensor([whole.label(i) for i in idx])
         want = reference_step(ref, ref_opt, xs, ys, plan.chunks(), F.cross_entropy)
-        assert abs(loss - want) <= 1e-9 + 1e-7 * abs(want), f"step {step}: {loss} != {want}"
+        tol = (atol64(step), RTOL64)
+        assert_same(f"step {step} loss", loss, want, *tol)
         refp = dict(ref.named_parameters())
         for name, p in rp.named_parameters():
-            assert_same(f"step {step} grad of {name}", p.grad, refp[name].grad, 1e-9, 1e-7)
-            assert_same(f"step {step} {name}", p.detach(), refp[name].detach(), 1e-9, 1e-7)
+            assert_same(f"step {step} grad of {name}", p.grad, refp[name].grad, *tol)
+            assert_same(f"step {step} {name}", p.detach(), refp[name].detach(), *tol)
         if not last:  # the BatchNorm is in stage 0
-            assert_buffers(rp.state_dict(), ref, 1e-9, 1e-7)
+            assert_buffers(rp.state_dict(), ref, *tol)
     # what each rank read: its window of each image of each batch, nothing else
     assert len(data.reads) == (0 if last else 4 * steps)
     assert all(w == window for _, w in data.reads)
@@ -171,7 +172,7 @@ def case_cli_trains_image_folder_prints_table_and_writes_metrics():
         assert entry["roles"] == [{"copy": 0, "stage": s, "tile": t}
                                   for s, t in [(0, 0), (0, 1), (1, 0)][r:r + 1]]
         # every action once, in the order it ran: receives are posted before the compute
-        # action they follow in the schedule (fxpar.runtime), so only the multiset is fixed
+        # action they follow in the schedule (fxpar.runtime.loop), so only the multiset is fixed
         assert sorted(e["action"] for e in entry["timeline"]) == sorted(str(a) for a in
                                                                     program.schedule[r])
         ends = [e["end"] for e in entry["timeline"]]
@@ -226,7 +227,7 @@ def case_cli_resume_from_checkpoint_equals_uninterrupted_and_saves_programs():
     """fxpar-run --checkpoint/--resume: 2 steps, save, resume to 4 == 4 steps in one go (every
     parameter and buffer, bitwise, via the exported checkpoints); --save-program under mpiexec
     writes one folder per rank that fxpar-run then runs."""
-    from fxpar.checkpoint import export
+    from fxpar.io.checkpoint import export
 
     comm = sub_comm(3)
     if comm is None:

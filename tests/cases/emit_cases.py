@@ -12,8 +12,8 @@ from transparency import sgd, sub_comm
 
 import fxpar
 from fxpar.cli.run import main as fxpar_run
-from fxpar.comm import world
-from fxpar.emit import load
+from fxpar.comm.world import world
+from fxpar.io.loader import load
 
 
 def _shared_dir(comm) -> Path:

@@ -2,7 +2,7 @@
 
 import torch
 
-from fxpar.comm import world
+from fxpar.comm.world import world
 
 
 def case_hang() -> None:

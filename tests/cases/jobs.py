@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpar
-from fxpar.comm import world
+from fxpar.comm.world import world
 
 SHAPE = (8, 3, 16, 16)
 PLANS = {
@@ -121,6 +121,12 @@ def job_rank_killed(out: Path) -> None:
 def job_rank_stuck(out: Path) -> None:
     """Rank 1 hangs in user code; the others' watchdog (FXPAR_WATCHDOG) ends the job."""
     train(compiled("sp"), before=on(1, 1, lambda: time.sleep(3600)))
+
+
+def job_rank_stuck_before_sending(out: Path) -> None:
+    """Rank 0 hangs in user code while rank 1 waits to receive its activations: a
+    point-to-point wait (under FXPAR_COMM=torch, on the gloo process group)."""
+    train(compiled("pp"), before=on(0, 1, lambda: time.sleep(3600)))
 
 
 def job_ranks_seeded_differently(out: Path) -> None:

@@ -2,7 +2,7 @@
 unchanged, vs one process in float64 (tests/transparency.py: loss, every gradient, parameters
 after 2 SGD steps with momentum, every buffer, full_state_dict, eval output). Spatial plans
 also check how much of the model's work the spatial region spreads over the tiles (the share
-of forward FLOPs on image tensors, ``passes.spatial_region.Coverage``) against the floor
+of forward FLOPs on image tensors, ``fxpar.passes.spatial_region.Coverage``) against the floor
 recorded for each model in ``MODELS``; docs/models.md shows the same figures.
 
 One case per (model, plan): ``case_<model>__<plan>``. tests/test_libraries.py runs the CI
@@ -20,7 +20,7 @@ from torch import nn
 from transparency import Case, check
 
 import fxpar
-from passes.spatial_region import Coverage
+from fxpar.passes.spatial_region import Coverage
 
 
 class Model(NamedTuple):  # (the case loader does not register this module: no dataclass)
@@ -124,7 +124,7 @@ def run(model: str, plan: str) -> None:
         f"{model} under {plan}: the spatial region covers {cov.share:.1%} < {m.coverage:.0%} "
         f"of the forward FLOPs on image tensors: {cov.ended}")
     said = [str(w.message) for w in seen if "spatial region" in str(w.message)]
-    assert bool(said) == (cov.share < fxpar.compiler.COVERAGE_WARN), said
+    assert bool(said) == (cov.share < fxpar.compiler.driver.COVERAGE_WARN), said
 
 
 for _model in MODELS:

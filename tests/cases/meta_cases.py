@@ -8,13 +8,13 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from equivalence import assert_same, reference_step
+from equivalence import RTOL64, assert_same, atol64, reference_step
 from torch import nn
 from transparency import sgd, sub_comm
 
 import fxpar
-import models
-from fxpar.materialize import materialize_model
+from fxpar import models
+from fxpar.runtime.materialize import materialize_model
 
 
 class Scaled(nn.Module):
@@ -92,14 +92,11 @@ def _train_like_one_process(build, plan, shape, seed=0, init=None, check_memory=
         loss = rp.train_step(x, y)
         if reference is not None:
             ref_loss = reference_step(reference, ref_opt, x, y, plan.chunks(), F.cross_entropy)
-            assert abs(loss - ref_loss) <= ATOL + RTOL * abs(ref_loss), (step, loss, ref_loss)
-        _compare(comm, rp, reference, f"step {step}")
+            assert_same(f"step {step} loss", loss, ref_loss, atol64(step), RTOL64)
+        _compare(comm, rp, reference, f"step {step}", atol=atol64(step))
 
 
-ATOL, RTOL = 1e-9, 1e-7
-
-
-def _compare(comm, rp, reference, when: str, exact: bool = False) -> None:
+def _compare(comm, rp, reference, when: str, exact: bool = False, atol: float = 0.0) -> None:
     """Every rank's (copy, stage) state and gradients against ``reference`` (on rank 0)."""
     mine = [(f"rank {comm.rank} copy {c} stage {s}", m.state_dict(),
              {n: p.grad for n, p in m.named_parameters()}) for (c, s), m in rp.stages.items()]
@@ -113,9 +110,9 @@ def _compare(comm, rp, reference, when: str, exact: bool = False) -> None:
             if exact:
                 assert torch.equal(v, want[k]), f"{when}: {where}: {k} differs"
             else:
-                assert_same(f"{when}: {where}: {k}", v, want[k], ATOL, RTOL)
+                assert_same(f"{when}: {where}: {k}", v, want[k], atol, RTOL64)
         for k, g in got_grads.items():
-            assert_same(f"{when}: {where}: grad of {k}", g, grads[k], ATOL, RTOL)
+            assert_same(f"{when}: {where}: grad of {k}", g, grads[k], atol, RTOL64)
 
 
 def case_meta_resnet_spatial_pipeline():

@@ -6,7 +6,7 @@ import torchvision.models as tvm
 from transparency import Case, check
 
 import fxpar
-import models
+from fxpar import models
 
 
 def _resnet18():

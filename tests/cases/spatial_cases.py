@@ -10,7 +10,7 @@ from torch import nn
 from transparency import Case, check
 
 import fxpar
-import models
+from fxpar import models
 
 
 class Head(nn.Module):
@@ -220,10 +220,10 @@ def case_sp_pp_unet_tiles_to_one_rank():
 
 
 def _split_everywhere(case: Case) -> None:
-    """Run ``case`` with every convolution that can split taking fxpar.spatial.haloconv's path
+    """Run ``case`` with every convolution that can split taking haloconv's path
     (test images are too small for the cost rule to choose it), and check some did."""
-    from fxpar.spatial import haloconv
-    from fxpar.spatial.ops import HaloOp
+    from fxpar.runtime.spatial import haloconv
+    from fxpar.runtime.spatial.ops import HaloOp
 
     old, haloconv.MIN_RATIO = haloconv.MIN_RATIO, 0
     try:

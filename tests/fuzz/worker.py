@@ -24,7 +24,7 @@ from transparency import Case, check  # noqa: E402
 import fxpar  # noqa: E402
 from fuzz.graphs import build  # noqa: E402
 from fuzz.pool import FAILED, READY, RESULT  # noqa: E402
-from fxpar.comm import world  # noqa: E402
+from fxpar.comm.world import world  # noqa: E402
 
 
 def run(request: dict) -> str:

@@ -1,0 +1,472 @@
+"""Comm: the one small communication interface fxpar's runtime uses, over mpi4py.
+
+CPU tensors go to MPI through their own memory (a NumPy view of the tensor's storage), with no
+staging copy: a receive writes straight into the destination tensor. Buffers must therefore be
+contiguous; send buffers that are not are made contiguous once (and said so in the docstring of
+each call), receive buffers that are not are an error, because the data would land in a copy.
+
+Device (CUDA) tensors take one of two routes, chosen once per communicator family:
+
+* CUDA-aware MPI (:func:`fxpar.comm.device.cuda_aware_mpi`): the device buffer itself goes to MPI
+  (through ``__cuda_array_interface__``/DLPack), after the current stream is synchronised so
+  MPI reads finished data and writes into memory no queued kernel still uses.
+* otherwise :class:`Staging`: sends copy into a pinned host buffer first; receives land in one and
+  are copied into the device tensor when the request completes (``Request.wait``). Host buffers
+  are pooled per (numel, dtype) so a training step reuses the same few.
+
+CPU tensors skip all of that (one device-type test per call). ``Comm(stage=True)`` or
+``FXPAR_FORCE_STAGING=1`` sends CPU tensors through :class:`Staging` too, so the staging logic is
+tested on machines without a GPU.
+
+Every call takes and returns torch tensors; MPI details (datatypes, IN_PLACE, requests) stay here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fxpar.comm.failfast import watching
+from fxpar.core.messages import MPI_TAG_UB_MIN
+
+# dtypes NumPy has no type for travel as same-width integers (bit patterns are preserved); they
+# can be sent and received but not reduced.
+_BITCAST = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8,
+            torch.float8_e5m2: torch.int8}
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI  # imported lazily: analysis and inspect never need MPI
+
+    return MPI
+
+
+def _prepared(t: torch.Tensor, *, writable: bool) -> torch.Tensor:
+    """``t`` as MPI reads it: contiguous (a receive buffer must already be: data would land
+    in a copy), detached, bit-cast where NumPy has no type for its dtype."""
+    if not t.is_contiguous():
+        if writable:
+            raise ValueError("receive buffer must be contiguous (data would land in a copy)")
+        t = t.contiguous()
+    t = t.detach()
+    return t.view(_BITCAST[t.dtype]) if t.dtype in _BITCAST else t
+
+
+def _buffer(t: torch.Tensor, *, writable: bool) -> np.ndarray:
+    """A NumPy view of CPU tensor ``t``'s memory (no copy)."""
+    return _prepared(t, writable=writable).numpy()
+
+
+class Request:
+    """A pending nonblocking operation; keeps its buffer alive until :meth:`wait`, then runs
+    ``done`` once (a staged receive's copy into the device tensor, returning host buffers)."""
+
+    def __init__(self, req: Any, keep: object, done: Callable[[], None] | None = None,
+                 what: Callable[[], str] = lambda: "a request") -> None:
+        self._req = req
+        self._keep = keep
+        self._done = done
+        self._what = what
+
+    def wait(self) -> None:
+        with watching(self._what):
+            self._req.Wait()
+        self._finish()
+
+    def test(self) -> bool:
+        done = bool(self._req.Test())
+        if done:
+            self._finish()
+        return done
+
+    def _finish(self) -> None:
+        self._keep = None
+        if self._done is not None:
+            done, self._done = self._done, None
+            done()
+
+
+def _pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat host buffer; page-locked when it stages a CUDA tensor (fast, async-capable DMA)."""
+    return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Blocking copy between host and device: the host side is safe to reuse when it returns."""
+    dst.copy_(src)
+
+
+class Staging:
+    """Host copies of tensors MPI cannot read in place (device memory without CUDA-aware MPI).
+
+    A pool of flat host buffers per (numel, dtype): :meth:`take` lends one (new when none is
+    free), :meth:`give` returns it, keeping at most ``keep`` free per key so a run with changing
+    shapes does not hoard pinned memory. ``alloc`` and ``copy`` are the seam tests replace."""
+
+    def __init__(self, alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] = _pinned,
+                 copy: Callable[[torch.Tensor, torch.Tensor], None] = _copy,
+                 keep: int = 4) -> None:
+        self.alloc = alloc
+        self.copy = copy
+        self.keep = keep
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.allocated = 0
+        """Host buffers made so far (tests check that buffers are reused)."""
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        free = self._free.get((t.numel(), t.dtype))
+        if free:
+            return free.pop()
+        self.allocated += 1
+        return self.alloc(t.numel(), t.dtype, t.device)
+
+    def give(self, host: torch.Tensor) -> None:
+        free = self._free.setdefault((host.numel(), host.dtype), [])
+        if len(free) < self.keep:
+            free.append(host)
+
+    def out(self, t: torch.Tensor) -> tuple[np.ndarray, Callable[[], None]]:
+        """A host buffer holding ``t``'s values for MPI to read, and the call that releases it."""
+        host = self.take(t)
+        self.copy(host.view(t.shape), t)
+        return _buffer(host, writable=False), lambda: self.give(host)
+
+    def into(self, t: torch.Tensor) -> tuple[np.ndarray, Callable[[], None]]:
+        """A host buffer for MPI to write, and the call that copies it into ``t`` and releases
+        it (run it after the operation completed)."""
+        if not t.is_contiguous():
+            raise ValueError("receive buffer must be contiguous (data would land in a copy)")
+        host = self.take(t)
+
+        def land() -> None:
+            self.copy(t, host.view(t.shape))
+            self.give(host)
+
+        return _buffer(host, writable=True), land
+
+    def inout(self, t: torch.Tensor) -> tuple[np.ndarray, Callable[[], None]]:
+        """Both: ``t``'s values in a host buffer that MPI updates in place (reductions,
+        broadcast roots), copied back into ``t`` by the returned call."""
+        if not t.is_contiguous():
+            raise ValueError("in-place buffer must be contiguous (data would land in a copy)")
+        host = self.take(t)
+        self.copy(host.view(t.shape), t)
+
+        def land() -> None:
+            self.copy(t, host.view(t.shape))
+            self.give(host)
+
+        return _buffer(host, writable=True), land
+
+
+def _direct(t: torch.Tensor, *, writable: bool) -> torch.Tensor:
+    """``t`` itself for a CUDA-aware MPI (read through ``__cuda_array_interface__``/DLPack),
+    after its stream has finished every kernel queued on it."""
+    t = _prepared(t, writable=writable)
+    torch.cuda.current_stream(t.device).synchronize()
+    return t
+
+
+def _nothing() -> None:
+    pass
+
+
+class _Route:
+    """How a communicator family moves non-CPU tensors (shared by a world and its splits)."""
+
+    def __init__(self, stage: bool | None = None) -> None:
+        if stage is None:
+            stage = os.environ.get("FXPAR_FORCE_STAGING", "0") not in ("", "0")
+        self.force = stage
+        self.staging = Staging()
+        self._aware: bool | None = None
+
+    def aware(self) -> bool:
+        if self._aware is None:  # asked on the first CUDA tensor only
+            from fxpar.comm.device import cuda_aware_mpi
+
+            self._aware = cuda_aware_mpi()
+        return self._aware
+
+    def _check(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            raise ValueError("a meta tensor has no data to communicate: materialise it first")
+
+    def out(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+        self._check(t)
+        if t.device.type == "cuda" and not self.force and self.aware():
+            return _direct(t, writable=False), _nothing
+        return self.staging.out(t)
+
+    def into(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+        self._check(t)
+        if t.device.type == "cuda" and not self.force and self.aware():
+            return _direct(t, writable=True), _nothing
+        return self.staging.into(t)
+
+    def inout(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+        self._check(t)
+        if t.device.type == "cuda" and not self.force and self.aware():
+            return _direct(t, writable=True), _nothing
+        return self.staging.inout(t)
+
+
+class Comm:
+    """A communicator: the world, or a sub-group made with :meth:`split` / :meth:`group`.
+
+    stage: send every tensor, CPU ones included, through host staging buffers (default: the
+    ``FXPAR_FORCE_STAGING`` environment variable); for testing the GPU path without a GPU."""
+
+    def __init__(self, mpi_comm: Any = None, stage: bool | None = None,
+                 route: _Route | None = None) -> None:
+        self._c = mpi_comm if mpi_comm is not None else _mpi().COMM_WORLD
+        self._route = route if route is not None else _Route(stage)
+        self._plain = not self._route.force
+        """CPU tensors go to MPI as they are (the fast path; False when staging is forced)."""
+
+    def _sub(self, mpi_comm: Any) -> Comm:
+        """A communicator over ``mpi_comm`` sharing this one's device route."""
+        return Comm(mpi_comm, route=self._route)
+
+    @property
+    def rank(self) -> int:
+        return int(self._c.Get_rank())
+
+    @property
+    def size(self) -> int:
+        return int(self._c.Get_size())
+
+    @property
+    def tag_ub(self) -> int:
+        """The largest message tag this MPI accepts (its ``MPI_TAG_UB`` attribute)."""
+        ub = self._c.Get_attr(_mpi().TAG_UB)
+        return int(ub) if ub is not None else MPI_TAG_UB_MIN
+
+    # -- point to point ---------------------------------------------------------------------
+    def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Request:
+        """Start sending ``t`` to ``dst`` (a non-contiguous ``t`` is sent from a copy)."""
+        if self._plain and t.device.type == "cpu":
+            buf = _buffer(t, writable=False)
+            return Request(self._c.Isend(buf, dest=dst, tag=tag), buf,
+                           what=lambda: self._p2p("send", t, "to", dst, tag))
+        buf, done = self._route.out(t)
+        return Request(self._c.Isend(buf, dest=dst, tag=tag), buf, done,
+                       lambda: self._p2p("send", t, "to", dst, tag))
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Request:
+        """Start receiving into ``t`` (contiguous) from ``src``; ``t`` holds the data once the
+        request's ``wait`` returned."""
+        if self._plain and t.device.type == "cpu":
+            buf = _buffer(t, writable=True)
+            return Request(self._c.Irecv(buf, source=src, tag=tag), buf,
+                           what=lambda: self._p2p("receive", t, "from", src, tag))
+        buf, done = self._route.into(t)
+        return Request(self._c.Irecv(buf, source=src, tag=tag), buf, done,
+                       lambda: self._p2p("receive", t, "from", src, tag))
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        with watching(lambda: self._p2p("send", t, "to", dst, tag)):
+            self._send(t, dst, tag)
+
+    def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
+        if self._plain and t.device.type == "cpu":
+            self._c.Send(_buffer(t, writable=False), dest=dst, tag=tag)
+            return
+        buf, done = self._route.out(t)
+        self._c.Send(buf, dest=dst, tag=tag)
+        done()
+
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        with watching(lambda: self._p2p("receive", t, "from", src, tag)):
+            return self._recv(t, src, tag)
+
+    def _recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
+        if self._plain and t.device.type == "cpu":
+            self._c.Recv(_buffer(t, writable=True), source=src, tag=tag)
+            return t
+        buf, done = self._route.into(t)
+        self._c.Recv(buf, source=src, tag=tag)
+        done()
+        return t
+
+    def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
+                 tag: int = 0) -> torch.Tensor:
+        """Send ``send`` to ``dst`` while receiving into ``recv`` from ``src``."""
+        with watching(lambda: self._p2p("receive", recv, "from", src, tag)):
+            return self._sendrecv(send, dst, recv, src, tag)
+
+    def _sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
+                  tag: int) -> torch.Tensor:
+        if self._plain and send.device.type == "cpu" and recv.device.type == "cpu":
+            self._c.Sendrecv(_buffer(send, writable=False), dest=dst, sendtag=tag,
+                             recvbuf=_buffer(recv, writable=True), source=src, recvtag=tag)
+            return recv
+        sbuf, sdone = self._route.out(send)
+        rbuf, rdone = self._route.into(recv)
+        self._c.Sendrecv(sbuf, dest=dst, sendtag=tag, recvbuf=rbuf, source=src, recvtag=tag)
+        sdone()
+        rdone()
+        return recv
+
+    @staticmethod
+    def waitall(requests: Sequence[Request]) -> None:
+        for r in requests:
+            r.wait()
+
+    # -- collectives ------------------------------------------------------------------------
+    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place allreduce of ``t`` (sum, max or min); returns ``t``."""
+        with watching(lambda: self._coll(f"allreduce ({op})", t)):
+            return self._allreduce(t, op)
+
+    def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        if t.dtype in _BITCAST:
+            raise TypeError(f"allreduce of {t.dtype} is not supported: reduce in float32")
+        mpi = _mpi()
+        ops = {"sum": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN}
+        if self._plain and t.device.type == "cpu":
+            self._c.Allreduce(mpi.IN_PLACE, _buffer(t, writable=True), op=ops[op])
+            return t
+        buf, done = self._route.inout(t)
+        self._c.Allreduce(mpi.IN_PLACE, buf, op=ops[op])
+        done()
+        return t
+
+    def iallreduce(self, t: torch.Tensor) -> Request:
+        """Start an in-place sum allreduce of ``t``."""
+        mpi = _mpi()
+        if self._plain and t.device.type == "cpu":
+            buf = _buffer(t, writable=True)
+            return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf,
+                           what=lambda: self._coll("allreduce (sum)", t))
+        buf, done = self._route.inout(t)
+        return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf, done,
+                       lambda: self._coll("allreduce (sum)", t))
+
+    def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (same shape on all ranks), in rank order, on ``t``'s device."""
+        with watching(lambda: self._coll("allgather", t)):
+            return self._allgather(t)
+
+    def _allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        if self._plain and t.device.type == "cpu":
+            self._c.Allgather(_buffer(t, writable=False), _buffer(out, writable=True))
+            return list(out.unbind(0))
+        sbuf, sdone = self._route.out(t)
+        rbuf, rdone = self._route.into(out)
+        self._c.Allgather(sbuf, rbuf)
+        sdone()
+        rdone()
+        return list(out.unbind(0))
+
+    def gather(self, t: torch.Tensor, root: int = 0) -> list[torch.Tensor] | None:
+        """Every rank's ``t`` on ``root`` (in rank order); None elsewhere."""
+        with watching(lambda: self._coll("gather", t)):
+            return self._gather(t, root)
+
+    def _gather(self, t: torch.Tensor, root: int) -> list[torch.Tensor] | None:
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device) \
+            if self.rank == root else None
+        if self._plain and t.device.type == "cpu":
+            self._c.Gather(_buffer(t, writable=False),
+                           _buffer(out, writable=True) if out is not None else None, root=root)
+            return list(out.unbind(0)) if out is not None else None
+        sbuf, sdone = self._route.out(t)
+        rbuf, rdone = self._route.into(out) if out is not None else (None, _nothing)
+        self._c.Gather(sbuf, rbuf, root=root)
+        sdone()
+        rdone()
+        return list(out.unbind(0)) if out is not None else None
+
+    def bcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """In-place broadcast of ``t`` from ``root``."""
+        with watching(lambda: self._coll("broadcast", t)):
+            return self._bcast(t, root)
+
+    def _bcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
+        if self._plain and t.device.type == "cpu":
+            self._c.Bcast(_buffer(t, writable=True), root=root)
+            return t
+        buf, done = self._route.inout(t) if self.rank == root else self._route.into(t)
+        self._c.Bcast(buf, root=root)
+        done()
+        return t
+
+    def allgather_object(self, obj: object) -> list[Any]:
+        """Every rank's picklable ``obj`` (for start-up checks, not for the hot path)."""
+        with watching(lambda: self._coll("allgather of Python objects")):
+            return list(self._c.allgather(obj))
+
+    def gather_object(self, obj: object, root: int = 0) -> list[Any] | None:
+        with watching(lambda: self._coll("gather of Python objects")):
+            return self._c.gather(obj, root=root)
+
+    def bcast_object(self, obj: object, root: int = 0) -> Any:
+        with watching(lambda: self._coll("broadcast of Python objects")):
+            return self._c.bcast(obj, root=root)
+
+    def barrier(self) -> None:
+        with watching(lambda: self._coll("barrier")):
+            self._c.Barrier()
+
+    # -- descriptions for the watchdog (built only when it fires) -----------------------------
+    def _world_rank(self, r: int) -> int:
+        mpi = _mpi()
+        try:
+            return int(mpi.Group.Translate_ranks(self._c.Get_group(), [r],
+                                                 mpi.COMM_WORLD.Get_group())[0])
+        except Exception:  # noqa: BLE001 - a description must never fail
+            return r
+
+    def _p2p(self, verb: str, t: torch.Tensor, way: str, peer: int, tag: int) -> str:
+        return (f"{verb} of {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} {way} "
+                f"rank {self._world_rank(peer)} (tag {tag})")
+
+    def _coll(self, what: str, t: torch.Tensor | None = None) -> str:
+        ranks = [self._world_rank(r) for r in range(self.size)]
+        shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+        of = f" of {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if t is not None \
+            else ""
+        return f"{what}{of} over ranks [{shown}]"
+
+    # -- sub-communicators ------------------------------------------------------------------
+    def split(self, color: int, key: int | None = None) -> Comm:
+        """Ranks with the same ``color`` form a new communicator (collective on all ranks)."""
+        with watching(lambda: self._coll("communicator split")):
+            return self._sub(self._c.Split(color, self.rank if key is None else key))
+
+    def group(self, ranks: Sequence[int], tag: int = 0) -> Comm | None:
+        """A communicator of ``ranks`` (in that order); collective over the ranks listed only.
+        None on ranks not listed."""
+        if self.rank not in ranks:
+            return None
+        grp = self._c.Get_group().Incl(list(ranks))
+        with watching(lambda: f"creating a communicator of ranks {list(ranks)}"):
+            return self._sub(self._c.Create_group(grp, tag=tag))
+
+    def node(self) -> Comm:
+        """The ranks of this communicator that share this node's memory, in rank order
+        (collective on all ranks): its rank is the node-local rank GPUs are bound by."""
+        mpi = _mpi()
+        return self._sub(self._c.Split_type(mpi.COMM_TYPE_SHARED, key=self.rank))
+
+    def free(self) -> None:
+        """Release a sub-communicator this process made (never the world's). MPI counts it as
+        collective over its ranks, but it waits for none of them: operations still pending on
+        it complete first."""
+        mpi = _mpi()
+        if self._c not in (mpi.COMM_WORLD, mpi.COMM_SELF, mpi.COMM_NULL):
+            self._c.Free()
+
+    def abort(self, code: int = 1) -> None:
+        """End the whole job now (every rank), flushing this rank's output first."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._c.Abort(code)
+        os._exit(code)  # MPI_Abort can return when every peer has already exited

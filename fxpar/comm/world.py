@@ -1,0 +1,24 @@
+"""The world communicator of a job, on the backend asked for (MPI or torch.distributed)."""
+
+from __future__ import annotations
+
+import os
+
+from fxpar.comm import failfast
+from fxpar.comm.mpi import Comm
+from fxpar.comm.torch_dist import torch_world
+
+
+def world(backend: str | None = None) -> Comm:
+    """The communicator of every rank in the job.
+
+    backend: "mpi" (mpi4py, the default) or "torch" (torch.distributed, see fxpar.comm.torch_dist:
+    NCCL collectives on GPUs); None reads ``FXPAR_COMM`` (default "mpi")."""
+    failfast.configure()
+    backend = backend or os.environ.get("FXPAR_COMM") or "mpi"
+    if backend == "mpi":
+        return Comm()
+    if backend == "torch":
+        return torch_world()
+    raise ValueError(f"unknown communication backend {backend!r} (FXPAR_COMM or "
+                     f"world(backend=...)): use 'mpi' or 'torch'")

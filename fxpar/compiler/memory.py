@@ -1,0 +1,174 @@
+"""Estimated peak memory of each rank of a compiled program (``fxpar-inspect --memory``).
+
+An estimate from the analysed graph, before anything runs, to choose a plan that fits:
+
+- parameters (and buffers) of the stages the rank holds, per role (a GEMS mirror holds its own
+  copy); gradients: one per trainable parameter; optimizer state: one momentum buffer per
+  trainable parameter (SGD with momentum; Adam would hold two);
+- activations kept for backward: the output bytes of the stage's nodes for one micro-batch
+  (``NodeCost.out_bytes``), times the micro-batches in flight on that stage (GPipe: all m of
+  its copy; 1F1B: ``min(m, stages - stage)``). On a spatial stage a tiled node's output is
+  split over the P tiles, and each halo adds what it keeps for backward: a fused ``HaloOp``
+  the pieces it received, a plain ``Halo`` its whole window (the op after it saves that);
+- received buffers: the tensors received from earlier stages (kept as inputs for backward, so
+  also per micro-batch in flight) plus one micro-batch of gradients received from later stages.
+
+Not counted: the model input batch, temporaries inside an op, allocator overhead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import fx, nn
+
+from fxpar.core import meta
+from fxpar.core.geometry import Rect
+from fxpar.core.meta import NodeCost, TensorInfo
+from fxpar.core.roles import chunks_per_copy
+from fxpar.core.stages import Transfer
+from fxpar.core.units import nbytes
+from fxpar.passes.spatial_region import SpatialLayout
+from fxpar.passes.split_stages import StageAssignment, compute_nodes
+from fxpar.runtime.spatial.ops import Halo, HaloOp
+
+if TYPE_CHECKING:
+    from fxpar.io.program import Program
+
+HEADER = ("estimated peak memory per rank\n"
+          "  optimizer state: SGD with momentum = 1x the trainable parameters; params include "
+          "buffers\n"
+          "  activations: one micro-batch's node outputs x micro-batches in flight (GPipe: m, "
+          "1F1B: min(m, stages - stage)); spatial stages: 1/P of tiled outputs + halos\n"
+          "  received: inputs from earlier stages per micro-batch in flight + one micro-batch "
+          "of gradients\n"
+          "  not counted: the input batch, temporaries inside ops, allocator overhead")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds at its peak, by kind."""
+
+    rank: int
+    roles: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    received: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.received
+
+
+def in_flight(program: Program, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at once (per model copy)."""
+    m = chunks_per_copy(program.plan)
+    if program.plan.schedule == "1f1b":
+        return min(m, program.plan.stages - stage)
+    return m
+
+
+def _tensor_bytes(ts: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _area(r: Rect | None) -> int:
+    return 0 if r is None else r.shape[0] * r.shape[1]
+
+
+def halo_bytes(module: fx.GraphModule) -> int:
+    """Bytes a tile module's halos keep for backward beyond the tiles themselves, per
+    micro-batch: a ``HaloOp`` (halo fused with its conv or pool) keeps only the cells it
+    received, a ``Halo`` produces its whole window as a new tensor. Cells x batch x channels."""
+    total = 0
+    for n in module.graph.nodes:
+        if n.op != "call_module":
+            continue
+        mod = module.get_submodule(str(n.target))
+        if not isinstance(mod, (Halo, HaloOp)):
+            continue
+        info = meta.get(n.args[0], TensorInfo)
+        cell = info.shape[0] * info.shape[1] * torch.empty((), dtype=info.dtype).element_size()
+        ex = mod.exchange
+        cells = _area(ex.need) if isinstance(mod, Halo) else \
+            0 if mod.replicated else ex.recv_elements()
+        total += cells * cell
+    return total
+
+
+def activation_bytes(program: Program, stage: int, tile: int = 0) -> int:
+    """Bytes of one micro-batch's node outputs on one rank of ``stage``."""
+    gm = program.traced
+    assert gm is not None, "the program has no analysed graph"
+    parts = program.plan.group_size(stage)
+    total = 0.0
+    for n in compute_nodes(gm):
+        if meta.get(n, StageAssignment).stage != stage:
+            continue
+        c = meta.find(n, NodeCost)
+        lay = meta.find(n, SpatialLayout)
+        if c is not None:
+            total += c.out_bytes / (parts if lay is not None and lay.tiled else 1)
+    if program.spatial is not None and stage < program.spatial.spatial_stages:
+        total += halo_bytes(program.spatial.tile(stage, tile))
+    return int(total)
+
+
+def _share(program: Program, t: Transfer, stage: int, tile: int) -> int:
+    """Bytes of transfer ``t`` (or of its gradient) that tile ``tile`` of ``stage`` holds: its
+    tile of a tiled tensor; a whole tensor that a spatial stage sends comes from (and its
+    gradient goes back to) tile 0 only."""
+    parts = program.plan.group_size(stage)
+    if parts == 1:
+        return t.nbytes
+    if t.tiled:
+        return t.nbytes // parts
+    return t.nbytes if tile == 0 or t.dst == stage else 0
+
+
+def received_bytes(program: Program, stage: int, tile: int = 0) -> int:
+    """Inputs from earlier stages for every micro-batch in flight, plus one micro-batch of
+    gradients from later stages."""
+    g = program.graph
+    inputs = sum(_share(program, t, stage, tile) for t in g.recvs(stage))
+    grads = sum(_share(program, t, stage, tile) for t in g.sends(stage) if t.grad)
+    return inputs * in_flight(program, stage) + grads
+
+
+def estimate(program: Program) -> list[RankMemory]:
+    """One :class:`RankMemory` per rank."""
+    out = []
+    for rank in range(program.world_size):
+        sums = [0, 0, 0, 0]
+        names = []
+        for role in program.rank_map.roles_of(rank):
+            module: nn.Module = program.graph.modules[role.stage]
+            trainable = _tensor_bytes([p for p in module.parameters() if p.requires_grad])
+            sums[0] += _tensor_bytes([*module.parameters(), *module.buffers()])
+            sums[1] += trainable
+            sums[2] += activation_bytes(program, role.stage, role.tile) * \
+                in_flight(program, role.stage)
+            sums[3] += received_bytes(program, role.stage, role.tile)
+            names.append(f"c{role.copy}.s{role.stage}" +
+                         (f".t{role.tile}" if program.plan.group_size(role.stage) > 1 else ""))
+        out.append(RankMemory(rank, " ".join(names), sums[0], sums[1], sums[1], sums[2],
+                              sums[3]))
+    return out
+
+
+def memory_table(program: Program) -> str:
+    """The estimate as a table, one row per rank."""
+    rows = [("rank", "roles", "params", "grads", "optimizer", "activations", "received",
+             "total")]
+    for m in estimate(program):
+        rows.append((str(m.rank), m.roles, *(nbytes(v) for v in (
+            m.params, m.grads, m.optimizer, m.activations, m.received, m.total))))
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    lines = ["  ".join(v.ljust(w) if k == 1 else v.rjust(w)
+                       for k, (v, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+             for r in rows]
+    return "\n".join([HEADER, *lines])

@@ -1,0 +1,180 @@
+"""Readable tables of an analysed graph (what ``fxpar-inspect`` prints)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import fx, nn
+
+from fxpar.core import meta
+from fxpar.core.geometry import Rect
+from fxpar.core.meta import NodeCost, TensorInfo, module_path
+from fxpar.core.stages import StageGraph
+from fxpar.core.units import nbytes, si
+from fxpar.frontend.trace import totals
+from fxpar.passes.spatial_region import Coverage, SpatialLayout, region_ends
+from fxpar.passes.split_stages import StageAssignment, compute_nodes
+from fxpar.runtime.modules import BatchNormOp, DropoutOp
+from fxpar.runtime.spatial.ops import Halo, HaloOp
+
+if TYPE_CHECKING:
+    from fxpar.io.program import Program
+
+
+def op_name(gm: fx.GraphModule, n: fx.Node) -> str:
+    """What a node does, in a few characters: module type, function or method name."""
+    if n.op == "call_module":
+        mod: nn.Module = gm.get_submodule(str(n.target))
+        if isinstance(mod, (BatchNormOp, DropoutOp)):
+            return "batch_norm" if isinstance(mod, BatchNormOp) else mod.kind
+        return type(mod).__name__
+    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        return n.target.overloadpacket.__name__  # aten.conv2d.default -> conv2d
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", str(n.target))
+    if n.op == "call_method":
+        return f".{n.target}"
+    return n.op
+
+
+def shape_text(n: fx.Node) -> str:
+    info = meta.find(n, TensorInfo)
+    if info is None or not info.shapes:
+        return "-"
+    return ", ".join("x".join(map(str, s)) for s in info.shapes)
+
+
+def listed(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes a table shows: all but the parameter reads (``get_attr``), whose bytes are
+    shown on the ops that use them."""
+    return [n for n in gm.graph.nodes if n.op != "get_attr"]
+
+
+def _params(n: fx.Node) -> int:
+    own = meta.find(n, NodeCost)
+    total = own.param_bytes if own is not None else 0
+    for a in n.all_input_nodes:
+        c = meta.find(a, NodeCost)
+        if a.op == "get_attr" and c is not None:
+            total += c.param_bytes
+    return total
+
+
+def node_table(gm: fx.GraphModule) -> str:
+    """One row per listed node: its index in the graph, name, op, the model module it comes
+    from, output shape, FLOPs, output bytes, bytes of the parameters it reads."""
+    rows = [("#", "node", "op", "module", "output", "FLOPs", "out bytes", "params")]
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in listed(gm):
+        c = meta.find(n, NodeCost) or NodeCost(0, 0, 0)
+        p = _params(n)
+        rows.append((str(index[n]), n.name, op_name(gm, n), module_path(n) or "-",
+                     shape_text(n), si(c.flops) if c.flops else "0", nbytes(c.out_bytes),
+                     nbytes(p) if p else "0"))
+    return "\n".join(_columns(rows, right={0, 5, 6, 7}))
+
+
+def totals_line(gm: fx.GraphModule) -> str:
+    t = totals(gm)
+    params = sum(p.numel() * p.element_size() for p in gm.parameters())
+    return (f"total: {si(t.flops, 'FLOP')} forward, {nbytes(t.out_bytes)} of node outputs, "
+            f"{nbytes(params)} of parameters ({sum(p.numel() for p in gm.parameters()):,} "
+            f"values)")
+
+
+def stage_table(gm: fx.GraphModule, graph: StageGraph) -> str:
+    """Per stage: nodes, forward FLOPs, parameter bytes, activation bytes; then per cut: the
+    tensors and bytes that cross it (per micro-batch, each direction)."""
+    stats = {k: [0, 0, 0, 0] for k in range(len(graph.modules))}
+    for n in compute_nodes(gm):
+        k = meta.get(n, StageAssignment).stage
+        c = meta.get(n, NodeCost)
+        stats[k][0] += 1
+        stats[k][1] += c.flops
+        stats[k][3] += c.out_bytes
+    for k, m in enumerate(graph.modules):
+        stats[k][2] = sum(p.numel() * p.element_size() for p in m.parameters())
+    rows = [("stage", "nodes", "FLOPs", "params", "activations")]
+    rows += [(str(k), str(v[0]), si(v[1]), nbytes(v[2]), nbytes(v[3])) for k, v in stats.items()]
+    lines = _columns(rows, right={1, 2, 3, 4})
+    lines.append("")
+    cut_rows = [("cut", "tensors", "bytes", "transfers (src->dst: shape)")]
+    for k in range(1, len(graph.modules)):
+        crossing = [t for t in graph.transfers if t.src < k <= t.dst]
+        detail = ", ".join(f"{t.src}->{t.dst}: {'x'.join(map(str, t.shape))}" for t in crossing)
+        cut_rows.append((f"{k - 1}|{k}", str(len(crossing)),
+                         nbytes(sum(t.nbytes for t in crossing)), detail))
+    lines += _columns(cut_rows, right={1, 2})
+    return "\n".join(lines)
+
+
+def _columns(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    return ["  ".join(v.rjust(w) if k in right else v.ljust(w)
+                      for k, (v, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+            for r in rows]
+
+
+def halo_table(program: Program) -> str:
+    """The spatial region and, per tile of each spatial stage, every halo with its widths
+    (top, bottom, left, right) and the bytes it receives per forward, against the minimum:
+    the cells of its window that lie in the image but outside its own tile."""
+    info = program.spatial
+    assert info is not None and program.traced is not None
+    gm = program.traced
+    tiled = sum(1 for n in gm.graph.nodes
+                if (lay := meta.find(n, SpatialLayout)) is not None and lay.tiled)
+    lines = [f"spatial region: {tiled} of {len(gm.graph.nodes)} nodes on a "
+             f"{info.grid.rows}x{info.grid.cols} tile grid "
+             f"({'tiled' if info.out_tiled else 'replicated'} model output)"]
+    cov = gm.meta.get(Coverage.KEY)
+    if cov is not None:
+        lines.append(f"spatial coverage: {cov.share:.1%} of the forward FLOPs on image tensors "
+                     f"run on tiles ({cov.tiled / 1e9:.3g} of {cov.image / 1e9:.3g} GFLOP)")
+    lines += [f"  {reason}" for reason in region_ends(gm)]
+    rows = [("stage", "tile", "halos", "received", "minimum", "ratio", "widths of the first "
+             "halo (t b l r)")]
+    for (stage, t), module in sorted(info.tiles.items()):
+        got = need = 0
+        first = ""
+        halos = [m for m in module.modules()
+                 if isinstance(m, (Halo, HaloOp)) and not m.replicated]
+        for h in halos:
+            ex = h.exchange
+            per_cell = _halo_cell_bytes(module, h)
+            got += ex.recv_elements() * per_cell
+            image = Rect((0, ex.extent[0]), (0, ex.extent[1]))
+            inside = ex.need.intersect(image)
+            own = inside.intersect(ex.own) if inside is not None else None
+            cells = (_area(inside) - _area(own))
+            need += cells * per_cell
+            first = first or " ".join(map(str, ex.halo_widths()))
+        ratio = f"{got / need:.2f}" if need else "-"
+        rows.append((str(stage), str(t), str(len(halos)), nbytes(got), nbytes(need), ratio,
+                     first))
+    lines += _columns(rows, right={2, 3, 4, 5})
+    lines.append("(bytes per micro-batch forward; the backward sends the same amount back)")
+    return "\n".join(lines)
+
+
+def _area(r: Rect | None) -> int:
+    return 0 if r is None else r.shape[0] * r.shape[1]
+
+
+def _halo_cell_bytes(module: fx.GraphModule, halo: Halo) -> int:
+    """Bytes of one (row, col) cell of the halo's input: batch x channels x element size."""
+    for n in module.graph.nodes:
+        if n.op == "call_module" and module.get_submodule(str(n.target)) is halo:
+            info = meta.get(n.args[0], TensorInfo)
+            shape = info.shape
+            return shape[0] * shape[1] * torch.empty((), dtype=info.dtype).element_size()
+    return 0
+
+
+def rank_table(program: Program) -> str:
+    """rank -> data-parallel replica, model copy, stage and tile, one row per role."""
+    rows = [("rank", "dp", "copy", "stage", "tile")]
+    for row in program.rank_map.describe():
+        rows.append(tuple(str(row[k]) for k in ("rank", "dp", "copy", "stage", "tile")))
+    return "\n".join(_columns(rows, right={0, 1, 2, 3, 4}))

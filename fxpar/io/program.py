@@ -1,0 +1,491 @@
+"""What the compiler emits: a :class:`Program` for the whole job, a :class:`RankProgram` each rank.
+
+A Program is plain data (the plan, the rank map, the stage graphs, the schedule); a RankProgram
+binds one rank's share of it to real parameters, an optimizer and a communicator::
+
+    program = fxpar.compile(model, plan, example, loss_fn=..., optimizer=...)
+    with program.local() as rp:       # this MPI rank's program
+        loss = rp.train_step(x, y)    # global batch in, global mean loss out, on every rank
+
+Nothing a rank program needs is process-global: it owns its sub-communicators, the gradient
+hooks on its parameters and its hold on the fail-fast exception hook, and ``close()`` (or the
+end of the ``with`` block) gives them back, so one process can build and train several.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fxpar.comm import failfast
+from fxpar.comm.mpi import Comm
+from fxpar.core.geometry import Grid, Rect
+from fxpar.core.messages import check_tags, tag_uses
+from fxpar.core.plan import Plan, PlanError, RankMap
+from fxpar.core.roles import chunks_per_copy, first_chunk
+from fxpar.core.schedule import Action, Schedule
+from fxpar.core.stages import StageGraph
+from fxpar.io.groups import communicators, stage_syncs, tile_groups
+from fxpar.runtime.loop import LossFn, Runtime, StepState, Tiling
+from fxpar.runtime.materialize import InitFn, materialize_rank
+from fxpar.runtime.spatial.ops import Join, group_key
+from fxpar.runtime.spatial.tags import max_tag
+
+OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class SpatialInfo:
+    """The tile programs of the spatial stages, and how the model output is laid out."""
+
+    build: Callable[..., fx.GraphModule]
+    """(stage, tile[, copy]) -> that tile's rewritten stage module, by the halo pass through
+    the pass driver (fxpar.compiler.driver.TILE_PASSES): the compiler builds tile 0 of each
+    spatial stage, a rank its own tiles on first use."""
+    grid: Grid
+    spatial_stages: int
+    out_tiled: bool
+    out_extent: tuple[int, int]
+    _cache: dict[tuple[int, int], fx.GraphModule] = field(default_factory=dict)
+
+    def tile(self, stage: int, tile: int) -> fx.GraphModule:
+        key = (stage, tile)
+        if key not in self._cache:
+            self._cache[key] = self.build(stage, tile)
+        return self._cache[key]
+
+    @property
+    def tiles(self) -> dict[tuple[int, int], fx.GraphModule]:
+        """Every tile program (builds them all)."""
+        return {(s, t): self.tile(s, t) for s in range(self.spatial_stages)
+                for t in range(self.grid.size)}
+
+_LAUNCHER_VARS = failfast.LAUNCHER_VARS
+
+
+@dataclass(frozen=True)
+class Program:
+    """The compiled job: every rank's stages and actions. Build rank programs from it."""
+
+    plan: Plan
+    rank_map: RankMap
+    graph: StageGraph
+    schedule: Schedule
+    loss_fn: LossFn
+    optimizer: OptimizerFactory | None
+    batch_size: int
+    """The global batch size the program was compiled for."""
+    names: tuple[str, ...] = ()
+    """The original model's state_dict keys, in its order (rank programs list theirs so)."""
+    traced: fx.GraphModule | None = None
+    """The whole analysed graph after all passes (per micro-batch shapes), for inspection."""
+    spatial: SpatialInfo | None = None
+    meta_model: nn.Module | None = None
+    """The original model when it was built on the meta device: ``for_rank`` materialises the
+    part its rank uses (runtime.materialize), each module under a seed
+    from ``seed`` and its name."""
+    init: InitFn | None = None
+    """``init(qualified_name, module)`` used instead of ``reset_parameters`` when materialising."""
+    seed: int = 0
+    input_windows: tuple[Rect | None, ...] | None = None
+    """Per rank, the rows x columns of the model input its stages read, worked out at compile
+    time (fxpar.compiler.windows; saved in program.json); None when not recorded (an input
+    that is not one image batch, or a folder saved before fxpar recorded them)."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan needs (``mpiexec -n``)."""
+        return self.plan.world_size
+
+    @functools.cached_property
+    def name_order(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self.names)}
+
+    def for_rank(self, rank: int, comm: Comm | None = None) -> RankProgram:
+        """Rank ``rank``'s program. Its modules share parameters with the compiled model (a
+        meta-built model gets real memory for this rank's stages only, first)."""
+        if self.meta_model is not None and 0 <= rank < self.world_size:
+            materialize_rank(self, rank)
+        stages = self.stage_modules(rank)
+        if comm is not None:  # before any message: would this MPI take every tag we use?
+            bound = comm.tag_ub
+            halo = {s: max_tag(m) for (_, s), m in stages.items()}
+            check_tags(tag_uses(self.plan, len(self.graph.transfers), halo), bound,
+                       f"this MPI's MPI_TAG_UB ({bound})")
+        return RankProgram(self, rank, stages, comm)
+
+    def stage_modules(self, rank: int) -> dict[tuple[int, int], nn.Module]:
+        """Rank ``rank``'s stage modules, ``{(copy, stage): module}``: tile modules for spatial
+        stages, a copy for the GEMS mirror. Touches no communicator."""
+        if not 0 <= rank < self.world_size:
+            raise PlanError(f"rank {rank} is outside this plan's {self.world_size} ranks")
+        stages = {}
+        for r in self.rank_map.roles_of(rank):
+            spatial = self.spatial is not None and r.stage < self.spatial.spatial_stages
+            if r.copy == 0:
+                module = self.spatial.tile(r.stage, r.tile) if spatial else \
+                    self.graph.modules[r.stage]  # type: ignore[union-attr]
+            else:  # the GEMS mirror trains its own parameters (kept equal by the sync)
+                module = copy.deepcopy(self.spatial.build(r.stage, r.tile, r.copy) if spatial
+                                       else self.graph.modules[r.stage])  # type: ignore[union-attr]
+            stages[(r.copy, r.stage)] = module
+        return stages
+
+    def save(self, folder: str | os.PathLike[str]) -> Path:
+        """Write every rank's program as plain files: generated stage code, weights, action
+        lists, the plan and rank layout (see fxpar.io.emit); ``fxpar-run FOLDER`` runs it."""
+        from fxpar.io.emit import save
+
+        return save(self, folder)
+
+    def local(self, comm: Comm | None = None, device: str | None = None) -> RankProgram:
+        """This process's rank program: rank 0 when not launched by MPI and the plan needs one
+        rank, else the MPI rank (after checking ``mpiexec -n`` matches the plan).
+
+        comm: run on this communicator instead of every rank of the job (default: the world of
+        ``FXPAR_COMM``, see fxpar.comm.world.world).
+        device: "auto", "cpu", "cuda" or "cuda:N": bind this rank to it (GPU by node-local
+        rank, comm.device.bind) before the communicator is made, and move the program there.
+
+        In a job of more than one rank this installs the fail-fast hook (fxpar.comm.failfast)
+        before the first communication; the rank program holds it until closed."""
+        launched = any(v in os.environ for v in _LAUNCHER_VARS)
+        if device is not None:
+            from fxpar.comm.device import bind
+            from fxpar.comm.mpi import Comm as MpiComm
+
+            where = bind(MpiComm() if launched else None, device)
+            return self.local(comm).to(where)
+        if comm is None and self.world_size == 1 and not launched:
+            return self.for_rank(0)
+        from fxpar.comm.world import world
+
+        comm = comm if comm is not None else world()
+        if comm.size != self.world_size:
+            raise PlanError(
+                f"this plan needs {self.world_size} ranks but the job has {comm.size}: "
+                f"run with `mpiexec -n {self.world_size}` (or change the plan)")
+        held = failfast.install()  # a rank failing from here on ends the whole job
+        if comm.size > 1:  # the job's first communication: do all ranks hold the same program?
+            failfast.agree(comm, self.fingerprint())
+        rp = self.for_rank(comm.rank, comm)
+        failfast.uninstall(held)  # the rank program holds its own
+        return rp
+
+    def fingerprint(self) -> dict[str, str]:
+        """A hash of what every rank must hold alike: the plan, batch size, state_dict names,
+        every rank's actions, the transfers between stages, torch's version, and (for a model
+        each rank built itself, not on the meta device) a checksum of its initial weights and
+        buffers -- ranks that built the model under different seeds would train different
+        models without any error."""
+        weights: list[float] = []
+        modules = [] if self.meta_model is not None else \
+            [m for m in self.graph.modules if m is not None]
+        with torch.no_grad():
+            for m in modules:
+                for t in (*m.parameters(), *m.buffers()):
+                    if t.is_floating_point() and t.device.type != "meta":
+                        weights.append(float(t.detach().double().sum()))
+        return {"plan": failfast.digest(self.plan.to_json(), self.batch_size),
+                "model (state_dict names)": failfast.digest(self.names),
+                "schedule": failfast.digest(sorted(self.schedule.items())),
+                "stage transfers": failfast.digest(self.graph.transfers),
+                "torch version": torch.__version__,
+                "initial weights": failfast.digest(weights)}
+
+
+class RankProgram:
+    """One rank's share of a Program, ready to train.
+
+    ``optimizer`` is the factory's optimizer over this rank's parameters, or None when the
+    program was compiled without one, or when this rank's stages own no parameter (a stage of
+    only ReLUs and pools): guard LR schedulers with ``if rp.optimizer is not None``.
+
+    With a communicator, it owns the sub-communicators it makes (tile and stage groups), the
+    gradient hooks on its parameters and a hold on the fail-fast hook; :meth:`close` (or leaving
+    ``with program.local() as rp:``) releases them."""
+
+    def __init__(self, program: Program, rank: int,
+                 stages: dict[tuple[int, int], fx.GraphModule], comm: Comm | None) -> None:
+        # before any communication: a rank failing from here on ends the whole job
+        self._failfast = failfast.install() if comm is not None else False
+        self._closed = False
+        self.program = program
+        self.rank = rank
+        self.stages = stages
+        self.comm = comm
+        self.device = torch.device("cpu")
+        params = list(self.parameters())
+        # a rank whose stages own no parameter (only ReLUs and pools) has nothing to step:
+        # torch optimizers refuse an empty parameter list
+        self.optimizer = program.optimizer(iter(params)) \
+            if program.optimizer and params else None
+        rank_map, dp = program.rank_map, program.rank_map.dp_index(rank)
+        plan = program.plan
+        self._comms = communicators(program, rank, comm)
+        self.syncs = stage_syncs(program, rank, stages, self._comms)
+        self.groups = tile_groups(program, rank, self._comms, self._modules())
+        self.runtime = Runtime(
+            rank, program.graph, stages,
+            lambda copy, stage, tile: rank_map.rank_of(dp, copy, stage, tile),
+            program.schedule, program.loss_fn, self.optimizer, comm, chunks_per_copy(plan),
+            self._tiling(),
+            chunk=lambda copy, mb: first_chunk(plan, dp, copy) + mb,
+            sync=self._sync)
+
+    def _merge_stats(self) -> bool:
+        return self.plan.copies > 1 or self.plan.data_parallel > 1
+
+    def _sync(self) -> None:
+        for sync in self.syncs:
+            sync.grads()
+            if self._merge_stats():
+                sync.stats()
+
+    def _tiling(self) -> Tiling | None:
+        """This rank's tile(s)."""
+        info = self.program.spatial
+        if info is None:
+            return None
+        roles = self.program.rank_map.roles_of(self.rank)
+        plan = self.program.plan
+        return Tiling(info.grid, {r.copy: r.tile for r in roles}, plan.spatial_stages,
+                      info.out_tiled, info.out_extent)
+
+    def close(self) -> None:
+        """Give back what this program holds in the process: the gradient hooks on its
+        parameters, its tile ops' communicators, the sub-communicators it made (every rank
+        closes its program, in the same order as its peers) and its hold on the fail-fast hook
+        (the last holder puts back the hooks found before). Idempotent; a closed program no
+        longer trains. The world communicator it was given stays open."""
+        if self._closed:
+            return
+        self._closed = True
+        for sync in self.syncs:
+            sync.close()
+        self.groups.unbind()
+        for sub in self._comms.values():
+            sub.free()
+        self._comms = {}
+        failfast.uninstall(self._failfast)
+        self._failfast = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> RankProgram:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        # an exception leaving a multi-rank program keeps it open, fail-fast hook included:
+        # uncaught, it ends the whole job instead of leaving the other ranks waiting
+        if kind is None or not self._failfast:
+            self.close()
+
+    @property
+    def plan(self) -> Plan:
+        return self.program.plan
+
+    def _modules(self) -> list[nn.Module]:
+        seen: dict[int, nn.Module] = {}
+        for m in self.stages.values():
+            seen.setdefault(id(m), m)
+        return list(seen.values())
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (each once)."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the original model's names."""
+        seen: dict[int, tuple[str, nn.Parameter]] = {}
+        for m in self._modules():
+            for name, p in m.named_parameters():
+                seen.setdefault(id(p), (name, p))
+        yield from sorted(seen.values(), key=lambda item: self._order(item[0]))
+
+    def _order(self, name: str) -> int:
+        return self.program.name_order.get(name, len(self.program.names))
+
+    def train(self, mode: bool = True) -> RankProgram:
+        """Put this rank's modules in training (or eval) mode, like ``nn.Module.train``."""
+        for m in self._modules():
+            m.train(mode)
+        return self
+
+    def eval(self) -> RankProgram:
+        return self.train(False)
+
+    def to(self, device: torch.device | str) -> RankProgram:
+        """Move this rank's modules (every GEMS copy) to ``device``; receive buffers and
+        batches follow. Before the first step: optimizer state made earlier would stay behind."""
+        device = torch.device(device)
+        if self.optimizer is not None and self.optimizer.state:
+            raise RuntimeError("move a rank program before its first step: its optimizer "
+                               "already holds state on the old device")
+        for m in self._modules():
+            m.to(device)
+        self.device = self.runtime.device = device
+        return self
+
+    def _on_device(self, v: Any) -> Any:
+        """A batch tensor on this rank's device (anything else as it is)."""
+        if isinstance(v, torch.Tensor) and v.device != self.device:
+            return v.to(self.device)
+        return v
+
+    def train_step(self, x: torch.Tensor | None, y: Any) -> float:
+        """One optimizer step on the global batch ``(x, y)``; returns the global mean loss.
+
+        Gradients are zeroed first and left in place afterwards (for inspection).
+        x: the whole batch's shape, but only :meth:`input_window` of it is read (a loader may
+        fill just that part of a ``torch.empty``); None on a rank whose window is None.
+        y: None on a rank that does not hold the last stage (only the loss reads targets)."""
+        self._check_omitted(x, y)
+        n = self._check_batch(x)
+        x, y = self._on_device(x), self._on_device(y)
+        for p in self.parameters():
+            p.grad = None
+        xs = [None] * n if x is None else list(torch.tensor_split(x, n))
+        state = StepState(xs, list(_split_target(y, n)), scale=1.0 / n)  # type: ignore[arg-type]
+        self.groups.bind()  # tile modules may be shared with another rank program of this Program
+        for sync in self.syncs:
+            sync.reset()
+            if self._merge_stats():
+                sync.begin()
+        self.runtime.run(state)
+        total = sum(state.losses, torch.zeros((), dtype=torch.float64))
+        if self.comm is not None and self.comm.size > 1:
+            self.comm.allreduce(total)  # only the last stage's ranks hold losses
+        return float(total)
+
+    def _check_omitted(self, x: torch.Tensor | None, y: Any) -> None:
+        stages = {s for _, s in self.stages}
+        if x is None and any(i.source == "batch" for s in stages
+                             for i in self.program.graph.inputs[s]):
+            raise ValueError(f"rank {self.rank}'s stages {sorted(stages)} read the model input: "
+                             f"pass x (at least its input_window())")
+        if y is None and self.plan.stages - 1 in stages:
+            raise ValueError(f"rank {self.rank} holds the last stage, which computes the loss: "
+                             f"pass the targets y")
+
+    def input_window(self, image: tuple[int, int] | None = None) -> Rect | None:
+        """The rows x columns of the model input this rank's stages read (bounding box, halo
+        included, clipped to the image); None when they never read the input. A data loader
+        need read only this part of each image (see fxpar.io.data).
+
+        image: the input's (H, W), used only when the program records no windows
+        (``Program.input_windows`` is None): then a rank that reads the input reads all of it."""
+        from fxpar.io.data import input_window
+
+        return input_window(self, image)
+
+    def _check_batch(self, x: torch.Tensor | None) -> int:
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}'s program was closed: build another with "
+                               f"program.local()")
+        batch = self.program.batch_size if x is None else int(x.shape[0])
+        self.plan.check_batch(batch)
+        if self.program.graph.transfers and batch != self.program.batch_size:
+            raise PlanError(f"this program was compiled for a global batch of "
+                            f"{self.program.batch_size}, got {batch}: compile with an example "
+                            f"of the batch size you train with")
+        if self.comm is None and self.program.world_size > 1:
+            raise PlanError(
+                f"rank {self.rank}'s program has no communicator: a {self.program.world_size}"
+                f"-rank program trains under `mpiexec -n {self.program.world_size}` with "
+                f"program.local() (program.for_rank(r) without comm= is for inspection)")
+        return self.plan.chunks()
+
+    def forward(self, x: torch.Tensor) -> Any:
+        """Inference on ``x`` with the modules' current mode; the output (concatenated over
+        micro-batches) on the last stage's ranks, None elsewhere."""
+        n = self._check_batch(x)
+        x = self._on_device(x)
+        state = StepState(list(torch.tensor_split(x, n)), [None] * n, scale=1.0, train=False)
+        actions = [a for a in self.program.schedule[self.rank]
+                   if a.kind in ("F", "SEND_F", "RECV_F")]
+        self.groups.bind()
+        with torch.no_grad():
+            self.runtime.run(state, actions)
+        results = dict(state.results)
+        info, tiling = self.program.spatial, self.runtime.tiling
+        last = self.plan.stages - 1
+        if info is not None and tiling is not None and info.out_tiled and tiling.spatial(last):
+            rects = tuple(info.grid.tile_rect(info.out_extent, u) for u in range(info.grid.size))
+            per_copy = chunks_per_copy(self.plan)
+            with torch.no_grad():  # tiles of the output: join them, per model copy
+                for chunk in sorted(results):
+                    c = (chunk // per_copy) % self.plan.copies
+                    join = Join(rects, tiling.tiles[c], group_key(last, c))
+                    join.comm = self.groups[join.key]
+                    results[chunk] = join(results[chunk])
+        if self.comm is not None and (self.plan.copies > 1 or self.plan.data_parallel > 1):
+            merged: dict[int, Any] = {}  # each copy / replica has its own chunks' outputs
+            for part in self.comm.allgather_object(results):
+                merged.update(part)
+            results = merged if state.results else {}
+        if not results:
+            return None
+        outs = [results[i] for i in sorted(results)]
+        return torch.cat(outs) if isinstance(outs[0], torch.Tensor) else outs
+
+    @property
+    def actions(self) -> list[Action]:
+        """This rank's action list for one training step."""
+        return self.program.schedule[self.rank]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under the original model's names (of its first
+        model copy: GEMS copies are kept identical)."""
+        out: dict[str, torch.Tensor] = {}
+        for (copy_, _stage), m in self.stages.items():
+            if copy_ == 0:
+                out.update(m.state_dict())
+        return {k: out[k] for k in sorted(out, key=self._order)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective: the whole model's state_dict on rank 0, None on the other ranks."""
+        local = self.state_dict()
+        if self.comm is None:
+            return local
+        parts = self.comm.gather_object(local, root=0)
+        if parts is None:
+            return None
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return {k: merged[k] for k in sorted(merged, key=self._order)}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor],
+                        strict: bool = True) -> list[str]:
+        """Load a single-device ``state_dict`` (e.g. ``model.state_dict()`` or
+        ``fxpar.io.checkpoint.export(folder)``) into this rank's modules, every copy, in place;
+        keys of other ranks' stages are ignored. Returns the keys loaded. strict: every key this
+        rank needs must be there, and no key outside the model (see fxpar.io.checkpoint)."""
+        from fxpar.io.checkpoint import load_state_dict
+
+        return load_state_dict(self, state_dict, strict)
+
+
+def _split_target(y: Any, n: int) -> list[Any]:
+    if y is None:
+        return [None] * n
+    if isinstance(y, torch.Tensor):
+        return list(torch.tensor_split(y, n))
+    if n == 1:
+        return [y]
+    raise TypeError(f"targets of type {type(y).__name__} cannot be split into {n} chunks: "
+                    f"pass a tensor whose first dimension is the batch")

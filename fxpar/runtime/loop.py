@@ -1,0 +1,358 @@
+"""The runtime: one interpreter loop over a rank's action list.
+
+All decisions were made at compile time (the schedule and the transfers are data); the runtime
+only carries tensors between actions. State for one step lives in :class:`StepState` and is
+dropped at the end of the step.
+
+Loss scaling: ``loss_fn`` returns the mean over its chunk (like ``F.cross_entropy``). The global
+batch is cut into ``chunks`` equal parts (data-parallel x GEMS x micro-batches), so each chunk's
+loss is divided by ``chunks``; their sum is then exactly the mean over the global batch, and the
+summed gradients are those of that mean.
+
+Communication: every receive is posted (``irecv``) by its RECV action -- or earlier: the
+receives that follow a compute action in the list are posted before it runs, so their data
+can land during it -- and waited for by the compute action that needs it; every send is an
+``isend`` whose request is completed at the end of the step, so no rank ever blocks in a send.
+
+Timing (for ``fxpar-run --metrics``): set ``Runtime.timeline`` to a list and each action appends
+an :class:`ActionTime` (perf_counter start/end, and the seconds it sat blocked in request waits,
+``Comm.waitall`` or the gradient sync), in the order the actions ran (a receive posted early
+before the compute action it follows). With ``timeline`` None (the default) the loop only pays
+one ``is None`` test per action and per wait. Halo exchanges and BatchNorm allreduces inside a
+spatial stage's F/B run in the stage module (runtime.spatial.ops), so they count as compute here.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from fxpar.comm import failfast
+from fxpar.comm.mpi import Comm, Request
+from fxpar.core.geometry import Grid, Rect
+from fxpar.core.messages import Message, messages, transfer_kind
+from fxpar.core.schedule import Action, Schedule, format_grid
+from fxpar.core.stages import StageGraph, Transfer
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+Key = tuple[int, int, int]  # (copy, stage, micro-batch)
+
+
+@dataclass(frozen=True)
+class Posted:
+    """A receive in flight: into ``buf``, which is ``rect`` of the transfer's whole tensor
+    (None: the whole tensor, or this rank's tile of it)."""
+
+    transfer: Transfer
+    buf: torch.Tensor
+    req: Request
+    rect: Rect | None = None
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """This rank's place in the spatial layout (absent for non-spatial plans)."""
+
+    grid: Grid
+    tiles: dict[int, int]
+    """copy -> this rank's tile in that copy's spatial stage."""
+    spatial_stages: int
+    out_tiled: bool
+    """The model output is tiled (a loss on tiles) rather than replicated."""
+    out_extent: tuple[int, int]
+
+    def spatial(self, stage: int) -> bool:
+        return stage < self.spatial_stages
+
+    def rect(self, extent: tuple[int, int], tile: int) -> Rect:
+        return self.grid.tile_rect(extent, tile)
+
+
+@dataclass
+class StepState:
+    """Everything one step carries between actions."""
+
+    x_chunks: list[torch.Tensor]
+    y_chunks: list[Any]
+    scale: float
+    train: bool = True
+    inputs: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[Key, tuple[Any, ...]] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    results: dict[int, Any] = field(default_factory=dict)
+    recv_f: dict[Key, list[Posted]] = field(default_factory=dict)
+    recv_b: dict[Key, list[Posted]] = field(default_factory=dict)
+    grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
+    sends: list[Request] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ActionTime:
+    """When one action ran (``time.perf_counter`` seconds) and how long of it was spent blocked
+    on communication (``wait``)."""
+
+    action: Action
+    start: float
+    end: float
+    wait: float
+
+
+class ActionFailed(RuntimeError):
+    """An action raised; the message holds the schedule grid with the failing cell marked."""
+
+
+@dataclass
+class Runtime:
+    """Executes one rank's actions for the stages it holds."""
+
+    rank: int
+    graph: StageGraph
+    stages: dict[tuple[int, int], fx.GraphModule]
+    """(copy, stage) -> module, for the stages this rank holds."""
+    peer: Callable[[int, int, int], int]
+    """(copy, stage, tile) -> the rank that runs it (in this rank's data-parallel replica)."""
+    schedule: Schedule
+    loss_fn: LossFn
+    optimizer: torch.optim.Optimizer | None
+    comm: Comm | None
+    microbatches: int
+    """Micro-batches each model copy runs per step (GEMS rounds included)."""
+    tiling: Tiling | None = None
+    chunk: Callable[[int, int], int] = lambda copy, mb: mb
+    """(copy, micro-batch) -> index of the global batch chunk it trains on."""
+    sync: Callable[[], None] = lambda: None
+    """Sums gradients over the stage groups (the ALLREDUCE action)."""
+    timeline: list[ActionTime] | None = None
+    """When a list, every action run appends its :class:`ActionTime` (see the module doc)."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where receive buffers and zero gradients are made (the stage modules' device)."""
+    _waited: float = field(default=0.0, repr=False)
+
+    def run(self, state: StepState, actions: list[Action] | None = None) -> None:
+        """The loop: every action of this rank, in order."""
+        handlers: dict[str, Callable[[Action, StepState], None]] = {
+            "F": self._forward, "B": self._backward, "STEP": self._step,
+            "SEND_F": self._send_f, "RECV_F": self._recv_f,
+            "SEND_B": self._send_b, "RECV_B": self._recv_b, "ALLREDUCE": self._allreduce,
+        }
+        todo = self.schedule[self.rank] if actions is None else actions
+        early: set[int] = set()
+        for i, action in enumerate(todo):
+            if i in early:
+                continue
+            failfast.doing(action)
+            try:
+                if action.kind in ("F", "B"):
+                    early.update(self._post_early(todo, i, state, handlers))
+                if self.timeline is None:
+                    handlers[action.kind](action, state)
+                else:
+                    self._waited = 0.0
+                    start = time.perf_counter()
+                    handlers[action.kind](action, state)
+                    self.timeline.append(ActionTime(action, start, time.perf_counter(),
+                                                    self._waited))
+            except Exception as e:
+                mark = (self.rank, i) if actions is None else None
+                grid = format_grid(self.schedule, mark=mark)
+                print(f"[fxpar rank {self.rank}] action {action} failed: "
+                      f"{type(e).__name__}: {e}\n{grid}", file=sys.stderr, flush=True)
+                raise ActionFailed(f"rank {self.rank}, step {i}, action {action}: "
+                                   f"{type(e).__name__}: {e}") from e
+        Comm.waitall(state.sends)
+        state.sends.clear()
+
+    def _post_early(self, todo: list[Action], i: int, state: StepState,
+                    handlers: dict[str, Callable[[Action, StepState], None]]) -> list[int]:
+        """Post the receives listed between compute action ``i`` and the next one before
+        running ``i``: their data can then arrive while ``i`` computes. Returns their
+        indices (the loop skips them later; a timeline lists them when they ran)."""
+        done = []
+        for j in range(i + 1, len(todo)):
+            kind = todo[j].kind
+            if kind in ("F", "B", "STEP", "ALLREDUCE"):
+                break
+            if kind in ("RECV_F", "RECV_B"):
+                start = time.perf_counter()
+                handlers[kind](todo[j], state)
+                if self.timeline is not None:
+                    self.timeline.append(ActionTime(todo[j], start, time.perf_counter(), 0.0))
+                done.append(j)
+        return done
+
+    def _block(self, wait: Callable[[], object]) -> None:
+        """Run a blocking communication call; when recording, its time is the action's wait."""
+        if self.timeline is None:
+            wait()
+            return
+        start = time.perf_counter()
+        wait()
+        self._waited += time.perf_counter() - start
+
+    def _assert_comm(self) -> Comm:
+        if self.comm is None:
+            raise RuntimeError("this rank program has no communicator: use program.local() "
+                               "under mpiexec")
+        return self.comm
+
+    # -- compute ------------------------------------------------------------------------------
+    def _forward(self, a: Action, st: StepState) -> None:
+        key = (a.copy, a.stage, a.mb)
+        module = self.stages[(a.copy, a.stage)]
+        received: dict[int, torch.Tensor] = {}
+        for p in st.recv_f.pop(key, []):
+            self._block(p.req.wait)
+            if p.rect is None:
+                received[p.transfer.id] = p.buf
+                continue
+            whole = received.setdefault(p.transfer.id, torch.empty(p.transfer.shape,
+                                                                   dtype=p.transfer.dtype,
+                                                                   device=self.device))
+            full = Rect((0, whole.shape[2]), (0, whole.shape[3]))
+            hs, ws = full.local(p.rect)
+            whole[:, :, hs, ws] = p.buf
+        ins: list[torch.Tensor] = []
+        for src in self.graph.inputs[a.stage]:
+            if src.source == "batch":
+                ins.append(st.x_chunks[self.chunk(a.copy, a.mb)])
+            else:
+                buf = received[src.index]
+                if st.train and buf.is_floating_point():
+                    buf.requires_grad_(True)
+                ins.append(buf)
+        st.inputs[key] = ins
+        if st.train and self.graph.mutated_inputs:
+            ins = [x.clone() if i in self.graph.mutated_inputs[a.stage] and x.requires_grad
+                   else x for i, x in enumerate(ins)]
+        with torch.set_grad_enabled(st.train):
+            outs = module(*ins)
+        if a.stage == len(self.graph.modules) - 1:
+            result = outs[0]
+            if not st.train:
+                st.results[self.chunk(a.copy, a.mb)] = result
+                return
+            loss = self.loss_fn(result, self._target(a, st.y_chunks[self.chunk(a.copy, a.mb)]))
+            scale = st.scale * self._loss_share(a)
+            if scale != 1.0:
+                loss = loss * scale
+            st.losses.append(loss.detach())
+            outs = (loss,)
+        st.outputs[key] = outs
+
+    def _backward(self, a: Action, st: StepState) -> None:
+        key = (a.copy, a.stage, a.mb)
+        outs = st.outputs.pop(key)
+        if a.stage == len(self.graph.modules) - 1:
+            outs[0].backward()
+        else:
+            grads: list[torch.Tensor | None] = [None] * len(outs)
+            for p in st.recv_b.pop(key, []):
+                self._block(p.req.wait)
+                g = grads[p.transfer.src_out]
+                grads[p.transfer.src_out] = p.buf if g is None else g + p.buf
+            if self._my_tile(a) != 0:
+                # a replicated output's gradient came to tile 0; the other tiles' share is
+                # zero, but they must run the same backward (its halos and allreduces)
+                for t in self.graph.sends(a.stage):
+                    if t.grad and self._kind(t) == "replicated" and grads[t.src_out] is None:
+                        grads[t.src_out] = torch.zeros_like(outs[t.src_out])
+            pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
+                     if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        st.grads[key] = [x.grad for x in st.inputs.pop(key)]
+
+    def _step(self, a: Action, st: StepState) -> None:
+        self._block(lambda: Comm.waitall(st.sends))
+        st.sends.clear()
+        if self.optimizer is not None:
+            self.optimizer.step()
+
+    def _allreduce(self, a: Action, st: StepState) -> None:
+        """Sum gradients over each stage group (tiles, GEMS copies, replicas)."""
+        self._block(lambda: Comm.waitall(st.sends))
+        st.sends.clear()
+        self._block(self.sync)
+
+    # -- spatial helpers ----------------------------------------------------------------------
+    def _loss_share(self, a: Action) -> float:
+        """The part of the loss this rank's output carries: 1/P of a replicated output (each
+        tile computes it), the tile's pixel fraction of a tiled one."""
+        tl = self.tiling
+        if tl is None or not tl.spatial(a.stage):
+            return 1.0
+        if not tl.out_tiled:
+            return 1.0 / tl.grid.size
+        r = tl.rect(tl.out_extent, self._my_tile(a))
+        return (r.shape[0] * r.shape[1]) / (tl.out_extent[0] * tl.out_extent[1])
+
+    def _target(self, a: Action, y: Any) -> Any:
+        tl = self.tiling
+        if tl is None or not tl.spatial(a.stage) or not tl.out_tiled:
+            return y
+        r = tl.rect(tl.out_extent, self._my_tile(a))
+        return y[..., r.h[0]:r.h[1], r.w[0]:r.w[1]]
+
+    def _kind(self, t: Transfer) -> str:
+        """p2p, tile, gather or replicated (fxpar.core.messages.transfer_kind)."""
+        return transfer_kind(t, self.tiling.spatial_stages if self.tiling is not None else 0)
+
+    def _my_tile(self, a: Action) -> int:
+        return self.tiling.tiles.get(a.copy, 0) if self.tiling is not None else 0
+
+    # -- communication: what each action exchanges is fxpar.core.messages' data ----------------
+    def _messages(self, a: Action) -> list[Message]:
+        tl = self.tiling
+        if tl is None:
+            return messages(a, self.graph, self.microbatches)
+        return messages(a, self.graph, self.microbatches, tl.grid, tl.spatial_stages,
+                        self._my_tile(a))
+
+    def _post(self, a: Action) -> list[Posted]:
+        """Post the receives of ``a`` (RECV_F or RECV_B), each into a fresh buffer."""
+        comm = self._assert_comm()
+        posted: list[Posted] = []
+        for m in self._messages(a):
+            buf = torch.empty(m.shape, dtype=m.transfer.dtype, device=self.device)
+            req = comm.irecv(buf, self.peer(a.copy, m.stage, m.tile), m.tag)
+            posted.append(Posted(m.transfer, buf, req, m.rect))
+        return posted
+
+    def _recv_f(self, a: Action, st: StepState) -> None:
+        st.recv_f[(a.copy, a.stage, a.mb)] = self._post(a)
+
+    def _recv_b(self, a: Action, st: StepState) -> None:
+        st.recv_b[(a.copy, a.stage, a.mb)] = self._post(a)
+
+    def _send_f(self, a: Action, st: StepState) -> None:
+        comm = self._assert_comm()
+        outs = st.outputs[(a.copy, a.stage, a.mb)]
+        for m in self._messages(a):
+            st.sends.append(comm.isend(outs[m.transfer.src_out].detach(),
+                                       self.peer(a.copy, m.stage, m.tile), m.tag))
+        if not st.train:
+            del st.outputs[(a.copy, a.stage, a.mb)]  # nothing will run backward on it
+
+    def _send_b(self, a: Action, st: StepState) -> None:
+        comm = self._assert_comm()
+        grads = st.grads.pop((a.copy, a.stage, a.mb))
+        wholes: dict[int, torch.Tensor] = {}  # a gathered tensor's gradient, cut per tile
+        for m in self._messages(a):
+            t = m.transfer
+            g = grads[t.dst_in]
+            if m.rect is not None:
+                if t.id not in wholes:
+                    wholes[t.id] = torch.zeros(t.shape, dtype=t.dtype, device=self.device) \
+                        if g is None else g
+                full = Rect((0, t.shape[2]), (0, t.shape[3]))
+                hs, ws = full.local(m.rect)
+                g = wholes[t.id][:, :, hs, ws]
+            elif g is None:
+                g = torch.zeros(m.shape, dtype=t.dtype, device=self.device)
+            st.sends.append(comm.isend(g, self.peer(a.copy, m.stage, m.tile), m.tag))

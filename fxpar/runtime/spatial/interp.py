@@ -1,0 +1,132 @@
+"""Nearest and bilinear interpolation on tiles (any scale, a target size, both align_corners),
+and reflect / replicate padding, as index maps.
+
+Interpolation is a separable index map: output row o reads input rows ``i0(o)`` and ``i1(o)``
+with weights ``1 - l(o)`` and ``l(o)`` (nearest: one row, weight 1). The map is the one
+PyTorch's kernels use (ATen/native/UpSample.h), computed in the same precision:
+
+- bilinear, align_corners: ``src = o * (in - 1) / (out - 1)``;
+- bilinear, otherwise: ``src = max(0, scale * (o + 0.5) - 0.5)``, ``scale = 1 / scale_factor``
+  when the call gave one, else ``in / out``; ``i0 = floor(src)``, ``i1 = i0 + (i0 < in - 1)``;
+- nearest: ``o`` when out = in, ``o // 2`` when out = 2 in, else
+  ``min(floor(o * scale), in - 1)`` in float32.
+
+Reflect and replicate padding are index maps too (``i0 = i1``, weight 1): output row ``o``
+copies input row ``o - before``, reflected (``-i``, ``2 (in - 1) - i``) or clamped at the
+border, so only the border tiles pad and the others read a halo as for any window.
+
+A tile's output rows need the input rows from ``i0(first)`` to ``i1(last)``: that window is
+what the halo exchange brings (never past the image: every index is inside it); the tile then
+gathers its rows from the window with global indices, so every tile computes exactly what one
+device computes for those rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxpar.core.geometry import Interval
+
+PADS = ("reflect", "replicate")
+
+
+@dataclass(frozen=True)
+class AxisMap:
+    """The index map of one spatial dim: ``size_in`` -> ``size_out`` rows."""
+
+    mode: str  # "nearest" | "bilinear" | "reflect" | "replicate" (padding)
+    align_corners: bool
+    size_in: int
+    size_out: int
+    scale: float | None  # the call's scale factor, if it gave one
+    before: int = 0
+    """Padding: rows added before row 0 (``size_out - size_in - before`` after the end)."""
+
+    def _scale(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.mode == "bilinear" and self.align_corners:
+            if self.size_out > 1:  # (scalar_t)(in - 1) / (out - 1): divided in scalar_t
+                return torch.tensor(self.size_in - 1, dtype=dtype) / (self.size_out - 1)
+            return torch.tensor(0.0, dtype=dtype)
+        if self.scale is not None and self.scale > 0:
+            return torch.tensor(1.0 / self.scale, dtype=dtype)
+        return torch.tensor(self.size_in, dtype=dtype) / self.size_out
+
+    def indices(self, rows: Interval, dtype: torch.dtype = torch.float64
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(i0, i1, lambda1) for output rows ``rows`` (global input indices)."""
+        o = torch.arange(rows[0], rows[1])
+        if self.mode in PADS:  # a copy of one input row: reflected or clamped at the border
+            i0 = o - self.before
+            if self.mode == "reflect":
+                i0 = i0.abs()
+                i0 = torch.where(i0 >= self.size_in, 2 * (self.size_in - 1) - i0, i0)
+            else:
+                i0 = i0.clamp(0, self.size_in - 1)
+            return i0, i0, torch.zeros(len(o), dtype=dtype)
+        if self.mode == "nearest":
+            if self.size_out == self.size_in:
+                i0 = o
+            elif self.size_out == 2 * self.size_in:
+                i0 = o // 2
+            else:
+                scale = self._scale(torch.float32)
+                i0 = torch.floor(o.to(torch.float32) * scale).to(torch.int64)
+                i0 = i0.clamp_max(self.size_in - 1)
+            return i0, i0, torch.zeros(len(o), dtype=dtype)
+        opmath = torch.float64 if dtype == torch.float64 else torch.float32
+        scale = self._scale(opmath)
+        if self.align_corners:
+            src = scale * o.to(opmath)
+        else:
+            src = (scale * (o.to(opmath) + 0.5) - 0.5).clamp_min(0)
+        i0 = src.to(torch.int64).clamp_max(self.size_in - 1)
+        i1 = i0 + (i0 < self.size_in - 1).to(torch.int64)
+        lam = (src - i0.to(opmath)).clamp(0, 1)
+        return i0, i1, lam.to(dtype)
+
+    def needs(self, rows: Interval) -> Interval:
+        """Input rows that output rows ``rows`` read."""
+        if rows[1] <= rows[0]:
+            return (0, 0)
+        i0, i1, _ = self.indices(rows)
+        return (int(i0.min()), int(i1.max()) + 1)
+
+
+class TileInterp(nn.Module):
+    """This tile's output rows/cols of an interpolation, from a window of the input that
+    starts at global row ``start[0]`` and column ``start[1]``."""
+
+    def __init__(self, maps: tuple[AxisMap, AxisMap], rows: Interval, cols: Interval,
+                 start: tuple[int, int]) -> None:
+        super().__init__()
+        self.maps, self.rows, self.cols, self.start = maps, rows, cols, start
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"maps": self.maps, "rows": self.rows, "cols": self.cols, "start": self.start}
+
+    def _gather(self, x: torch.Tensor, dim: int, m: AxisMap, out: Interval,
+                start: int) -> torch.Tensor:
+        i0, i1, lam = m.indices(out, x.dtype)
+        a = x.index_select(dim, (i0 - start).to(x.device))
+        if m.mode == "nearest" or m.mode in PADS:
+            return a
+        b = x.index_select(dim, (i1 - start).to(x.device))
+        shape = [1] * x.dim()
+        shape[dim] = -1
+        lam = lam.to(x.device).reshape(shape)
+        return a * (1 - lam) + b * lam
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._gather(x, 2, self.maps[0], self.rows, self.start[0])
+        return self._gather(y, 3, self.maps[1], self.cols, self.start[1])
+
+    def extra_repr(self) -> str:
+        m = self.maps[0]
+        corners = ", align_corners" if m.align_corners else ""
+        return (f"{m.mode}{corners}: rows {self.rows[0]}:{self.rows[1]} cols "
+                f"{self.cols[0]}:{self.cols[1]} from a window at {self.start}")
+

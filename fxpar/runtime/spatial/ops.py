@@ -1,0 +1,395 @@
+"""Spatial ops on tiles, with exact backward: re-tiling (halo / join), synchronised BatchNorm
+(in fxpar.runtime.spatial.batchnorm, re-exported here), global spatial means. Each is a
+torch.autograd.Function that talks to its tile group, over the communicator of the rank
+program running it (fxpar.runtime.spatial.group).
+
+Gradient convention: a *tiled* tensor's gradient lives with its tile, complete (a halo
+exchange sends the gradients of received cells back to their owners, who add them to their
+own). A *replicated* tensor (the same full value on every rank of the group) has a *partial*
+gradient on each rank: the true gradient is the sum over the group. So:
+
+- a loss computed on a replicated output is scaled by 1/P on each rank; every parameter
+  gradient of a spatial stage is summed over its group (one rule for all parameters);
+- the join (tiles -> replicated) sums the partial gradients backward (allreduce), then keeps
+  this rank's tile; a global mean / BatchNorm statistics likewise sum their partial gradients;
+- slicing a replicated tensor (the input image) scatters the window's gradient, unsummed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxpar.comm.mpi import Comm, Request
+from fxpar.core.geometry import Exchange, Rect
+from fxpar.runtime.spatial import haloconv
+from fxpar.runtime.spatial.batchnorm import TileBatchNorm as TileBatchNorm  # re-export
+from fxpar.runtime.spatial.group import TileOp
+
+FORCE_WINDOW = os.environ.get("FXPAR_HALO_WINDOW") == "1"
+"""True (env FXPAR_HALO_WINDOW=1): every halo convolution assembles its window, the path
+before fxpar.runtime.spatial.haloconv; tools/bench_spatial.py compares the two."""
+
+
+def group_key(stage: int, copy: int = 0) -> str:
+    """Name of the tile group of one spatial stage (of one model copy)."""
+    return f"c{copy}s{stage}"
+
+
+def _region(t: torch.Tensor, holder: Rect, inner: Rect) -> torch.Tensor:
+    hs, ws = holder.local(inner)
+    return t[:, :, hs, ws]
+
+
+Pieces = list[tuple[Rect, torch.Tensor]]
+
+
+def _window(x: torch.Tensor, ex: Exchange, comm: Comm, replicated: bool, tag: int
+            ) -> tuple[torch.Tensor, Pieces]:
+    """Forward of a halo exchange: this rank's window ``ex.need`` of ``x``, and the pieces
+    received from other tiles (to rebuild the window later without communicating)."""
+    if replicated:  # every rank holds the whole tensor: slice, no messages
+        return _rebuild(x, ex, True, []), []
+    pieces, reqs = _swap(x, comm, tag, ex.recvs,
+                         [(dst, _region(x, ex.own, rect)) for dst, rect in ex.sends])
+    Comm.waitall(reqs)
+    return _rebuild(x, ex, False, pieces), pieces
+
+
+def _swap(like: torch.Tensor, comm: Comm, tag: int, recvs: list[tuple[int, Rect]],
+          sends: list[tuple[int, torch.Tensor]]) -> tuple[Pieces, list[Request]]:
+    """Post a receive of each ``(source, rect)`` into a fresh buffer and a send of each
+    ``(destination, tensor)`` in the tile group; the received pieces and the requests to wait
+    for. Forward sends halo cells out and receives the window's pieces; backward the reverse."""
+    n, c = like.shape[:2]
+    pieces: Pieces = [(rect, like.new_empty((n, c, *rect.shape))) for _, rect in recvs]
+    reqs: list[Request] = [comm.irecv(buf, src, tag=tag)
+                           for (src, _), (_, buf) in zip(recvs, pieces, strict=True)]
+    reqs += [comm.isend(t.contiguous(), dst, tag=tag) for dst, t in sends]
+    return pieces, reqs
+
+
+def _rebuild(x: torch.Tensor, ex: Exchange, replicated: bool, pieces: Pieces) -> torch.Tensor:
+    """The window again, from the tile and the saved pieces (no communication)."""
+    n, c = x.shape[:2]
+    out = x.new_empty((n, c, *ex.need.shape))
+    own = Rect((0, ex.extent[0]), (0, ex.extent[1])) if replicated else ex.own
+    local = ex.need.intersect(own)
+    if local is not None:
+        _region(out, ex.need, local).copy_(_region(x, own, local))
+    for rect, buf in pieces:
+        _region(out, ex.need, rect).copy_(buf)
+    # the tile and the pieces cover the window's part inside the image; pad the rest
+    height, width = ex.need.shape
+    top = min(height, max(0, -ex.need.h[0]))
+    bottom = min(height - top, max(0, ex.need.h[1] - ex.extent[0]))
+    left = min(width, max(0, -ex.need.w[0]))
+    right = min(width - left, max(0, ex.need.w[1] - ex.extent[1]))
+    for r0, r1, c0, c1 in ((0, top, 0, width), (height - bottom, height, 0, width),
+                           (top, height - bottom, 0, left),
+                           (top, height - bottom, width - right, width)):
+        if r1 > r0 and c1 > c0:
+            out[:, :, r0:r1, c0:c1] = ex.fill
+    return out
+
+
+def _window_grad(g: torch.Tensor, ex: Exchange, comm: Comm, replicated: bool, tag: int
+                 ) -> torch.Tensor:
+    """Backward of a halo exchange: the window's gradient, back on the tiles that own it."""
+    n, c = g.shape[:2]
+    if replicated:
+        full = Rect((0, ex.extent[0]), (0, ex.extent[1]))
+        gx = g.new_zeros((n, c, *ex.extent))
+        inside = ex.need.intersect(full)
+        if inside is not None:
+            _region(gx, full, inside).copy_(_region(g, ex.need, inside))
+        return gx  # a partial gradient of a replicated tensor
+    # the tiles that needed my cells send their gradients back; theirs go back to them
+    bufs, reqs = _swap(g, comm, tag, ex.sends,
+                       [(dst, _region(g, ex.need, rect)) for dst, rect in ex.recvs])
+    local = ex.local
+    if local == ex.own:  # the usual case: the window holds the whole tile
+        gx = _region(g, ex.need, local).clone(memory_format=torch.contiguous_format)
+    else:
+        gx = g.new_zeros((n, c, *ex.own.shape))
+        if local is not None:
+            _region(gx, ex.own, local).add_(_region(g, ex.need, local))
+    Comm.waitall(reqs)
+    for rect, buf in bufs:
+        _region(gx, ex.own, rect).add_(buf)
+    return gx
+
+
+class _Retile(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ex: Exchange, comm: Comm, replicated: bool,
+                tag: int) -> torch.Tensor:
+        ctx.ex, ctx.comm, ctx.replicated, ctx.tag = ex, comm, replicated, tag
+        return _window(x, ex, comm, replicated, tag)[0]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        return _window_grad(g, ctx.ex, ctx.comm, ctx.replicated, ctx.tag + 1), None, None, \
+            None, None
+
+
+class _HaloOp(torch.autograd.Function):
+    """Halo exchange fused with the windowed op that reads it. The window (tile + halo) is
+    not kept for backward: only the tile (which the previous op saves anyway) and the small
+    received pieces are, so a tile's saved activations stay ~1/P of one device's. Convolution
+    gradients come straight from aten.convolution_backward; pooling gradients from the pool's
+    own backward kernel (max pool keeps its argmax, as on one device; no recomputation).
+
+    A convolution whose geometry allows it never builds the window (haloconv.py):
+    the tile's own part runs while the halo travels, the halo's part is added band by band,
+    and backward sends the halo gradients off before the tile's big convolution_backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: HaloOp, *params: torch.Tensor
+                ) -> torch.Tensor:
+        split = spec.split(params)
+        ctx.spec, ctx.split, ctx.comm = spec, split, spec.group()
+        if split is None:
+            window, ctx.pieces = _window(x, spec.exchange, ctx.comm, spec.replicated, spec.tag)
+            if spec.kind == "conv":
+                ctx.save_for_backward(x, *params)
+                return spec.compute(window, *params)
+            # pooling: backward needs the window's shape and, for max, the argmax (which one
+            # device's max_pool keeps too), not the tile or the halo
+            ctx.window_shape, ctx.pieces = window.shape, None
+            if spec.kind == "avgpool":
+                return spec.compute(window)
+            c = spec.cfg
+            out, idx = torch.ops.aten.max_pool2d_with_indices(
+                window, _pair(c["kernel"]), _pair(c["stride"]), [0, 0], _pair(c["dilation"]))
+            ctx.save_for_backward(idx)
+            return out
+        ctx.save_for_backward(x, *params)
+        ex = spec.exchange
+        ctx.pieces, reqs = _swap(x, ctx.comm, spec.tag, ex.recvs,
+                                 [(dst, _region(x, ex.own, rect)) for dst, rect in ex.sends])
+        out = haloconv.tile_part(x, split, spec.cfg, params)  # while the halo travels
+        Comm.waitall(reqs)
+        return haloconv.add_bands(out, x, ex, split, ctx.pieces, spec.cfg, params[0])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        spec: HaloOp = ctx.spec
+        need = ctx.needs_input_grad
+        if ctx.split is not None:
+            x, *params = ctx.saved_tensors
+            return (*_split_backward(ctx, g, x, tuple(params)),)
+        if spec.kind != "conv":  # pooling
+            gx = None
+            if need[0]:
+                gx = _window_grad(_pool_grad(spec, ctx, g), spec.exchange, ctx.comm,
+                                  spec.replicated, spec.tag + 1)
+            return gx, None
+        x, *params = ctx.saved_tensors
+        window = _rebuild(x, spec.exchange, spec.replicated, ctx.pieces)
+        weight = params[0]
+        bias_sizes = [weight.shape[0]] if len(params) > 1 else None
+        gw, gwt, gb = torch.ops.aten.convolution_backward(
+            g, window, weight, bias_sizes, list(spec.cfg["stride"]), [0, 0],
+            list(spec.cfg["dilation"]), False, [0, 0], spec.cfg["groups"],
+            [need[0], need[2], len(params) > 1 and need[3]])
+        gx = None
+        if need[0] and gw is not None:
+            gx = _window_grad(gw, spec.exchange, ctx.comm, spec.replicated, spec.tag + 1)
+        return (gx, None, *[gwt, gb][:len(params)])
+
+
+def _pool_grad(spec: HaloOp, ctx: Any, g: torch.Tensor) -> torch.Tensor:
+    """The window's gradient of a max / average pool, without rebuilding the window: the
+    kernels read only its shape (max pool: the saved argmax)."""
+    c = spec.cfg
+    like = g.new_empty(ctx.window_shape)
+    if spec.kind == "maxpool":
+        idx = ctx.saved_tensors[0]
+        return torch.ops.aten.max_pool2d_with_indices_backward(
+            g, like, _pair(c["kernel"]), _pair(c["stride"]), [0, 0], _pair(c["dilation"]),
+            False, idx)
+    return torch.ops.aten.avg_pool2d_backward(g, like, _pair(c["kernel"]), _pair(c["stride"]),
+                                              [0, 0], False, True, c.get("divisor_override"))
+
+
+def _pair(v: Any) -> list[int]:
+    return [int(v), int(v)] if isinstance(v, int) else [int(u) for u in v]
+
+
+def _split_backward(ctx: Any, g: torch.Tensor, x: torch.Tensor,
+                    params: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
+    """Backward of a split convolution: band gradients first, their halo part posted to the
+    owners, then the tile's convolution_backward while those messages travel."""
+    spec: HaloOp = ctx.spec
+    ex = spec.exchange
+    need = ctx.needs_input_grad
+    want_x, want_w = need[0], need[2]
+    halo, gw_bands = haloconv.band_grads(g, x, ex, ctx.split, ctx.pieces, spec.cfg, params[0],
+                                         want_x, want_w)
+    reqs: list[Request] = []
+    bufs: Pieces = []
+    if halo is not None:  # the halo part goes to the tiles it came from; mine comes back
+        bufs, reqs = _swap(x, ctx.comm, spec.tag + 1, ex.sends,
+                           [(dst, gh) for (dst, _), gh in zip(ex.recvs, halo, strict=True)])
+    gx, gw, gb = haloconv.tile_grads(g, x, ctx.split, spec.cfg, params,
+                                     (want_x, want_w, len(params) > 1 and need[3]))
+    if gw is not None and gw_bands is not None:
+        gw += gw_bands
+    Comm.waitall(reqs)
+    if gx is not None:
+        for rect, buf in bufs:
+            _region(gx, ex.own, rect).add_(buf)
+    return [gx, None, gw, gb][:2 + len(params)]
+
+
+class Halo(TileOp):
+    """Re-tile a tiled (or replicated) tensor into the window ``exchange.need`` of this rank.
+
+    Halo exchange, scatter (replicated -> tile) and the border padding are all this one op."""
+
+    def __init__(self, exchange: Exchange, key: str, replicated: bool = False,
+                 tag: int = 10) -> None:
+        super().__init__()
+        self.exchange = exchange
+        self.key = key
+        self.replicated = replicated
+        self.tag = tag  # forward messages use tag, backward tag + 1 (unique per halo node)
+
+    def emit_args(self) -> dict[str, Any]:
+        """The constructor's arguments (fxpar.io.emit writes ``Halo(**these)`` as code)."""
+        return {"exchange": self.exchange, "key": self.key, "replicated": self.replicated,
+                "tag": self.tag}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Retile.apply(x, self.exchange, self.group(), self.replicated, self.tag)
+
+    def extra_repr(self) -> str:
+        ex = self.exchange
+        top, bottom, left, right = ex.halo_widths()
+        src = "replicated" if self.replicated else f"tile {ex.own}"
+        return (f"{src} -> {ex.need}; halo top={top} bottom={bottom} left={left} "
+                f"right={right}; recv from {[u for u, _ in ex.recvs]}, send to "
+                f"{[u for u, _ in ex.sends]}, fill={ex.fill}")
+
+
+class _Join(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rects: tuple[Rect, ...], t: int, comm: Comm,
+                tag: int) -> torch.Tensor:
+        ctx.rect, ctx.comm = rects[t], comm
+        n, c = x.shape[:2]
+        h = max(r.h[1] for r in rects)
+        w = max(r.w[1] for r in rects)
+        out = x.new_empty((n, c, h, w))
+        full = Rect((0, h), (0, w))
+        reqs, bufs = [], []
+        for u, rect in enumerate(rects):
+            if u == t:
+                continue
+            buf = x.new_empty((n, c, *rect.shape))
+            reqs.append(comm.irecv(buf, u, tag=tag))
+            bufs.append((rect, buf))
+            reqs.append(comm.isend(x.contiguous(), u, tag=tag))
+        _region(out, full, rects[t]).copy_(x)
+        Comm.waitall(reqs)
+        for rect, buf in bufs:
+            _region(out, full, rect).copy_(buf)
+        ctx.full = full
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        # g is this rank's partial gradient of the replicated output: sum, keep my tile
+        g = ctx.comm.allreduce(g.clone(memory_format=torch.contiguous_format))
+        return _region(g, ctx.full, ctx.rect).contiguous(), None, None, None, None
+
+
+class Join(TileOp):
+    """Tiles -> the whole tensor on every rank of the group (end of the spatial region)."""
+
+    def __init__(self, rects: tuple[Rect, ...], tile: int, key: str, tag: int = 10) -> None:
+        super().__init__()
+        self.rects, self.tile, self.key, self.tag = rects, tile, key, tag
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"rects": self.rects, "tile": self.tile, "key": self.key, "tag": self.tag}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Join.apply(x, self.rects, self.tile, self.group(), self.tag)
+
+    def extra_repr(self) -> str:
+        return f"tile {self.tile} {self.rects[self.tile]} -> all {len(self.rects)} tiles"
+
+
+class AvgDivisor(nn.Module):
+    """Divides a tile's sum-pool by its slice of the global divisor map (separable: the outer
+    product of the per-row and per-column window counts), so average pooling with
+    ``count_include_pad=False`` or ``ceil_mode`` matches one device at every border."""
+
+    def __init__(self, rows: list[int], cols: list[int]) -> None:
+        super().__init__()
+        self.counts = (list(rows), list(cols))
+        self.register_buffer("rows", torch.tensor(rows, dtype=torch.float64).view(-1, 1),
+                             persistent=False)
+        self.register_buffer("cols", torch.tensor(cols, dtype=torch.float64).view(1, -1),
+                             persistent=False)
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"rows": self.counts[0], "cols": self.counts[1]}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (self.rows * self.cols).to(x.dtype)
+
+
+class HaloOp(TileOp):
+    """A windowed op on this rank's tile, halo included: ``kind`` conv (args: weight, bias),
+    maxpool or avgpool; the op itself runs with padding 0 on the exchanged window."""
+
+    def __init__(self, exchange: Exchange, key: str, kind: str, cfg: dict[str, Any],
+                 replicated: bool = False, tag: int = 10) -> None:
+        super().__init__()
+        self.exchange, self.key, self.kind, self.cfg = exchange, key, kind, cfg
+        self.replicated, self.tag = replicated, tag
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"exchange": self.exchange, "key": self.key, "kind": self.kind,
+                "cfg": self.cfg, "replicated": self.replicated, "tag": self.tag}
+
+    def split(self, params: tuple[torch.Tensor, ...]) -> haloconv.Split | None:
+        """How this convolution splits into tile and halo parts (None: assemble the window);
+        worked out once, from the weight's kernel size."""
+        if self.kind != "conv" or self.replicated or FORCE_WINDOW:
+            return None
+        if not hasattr(self, "_split"):
+            kernel = (int(params[0].shape[2]), int(params[0].shape[3]))
+            self._split = haloconv.plan(self.exchange, kernel, tuple(self.cfg["stride"]),
+                                        tuple(self.cfg["dilation"]))
+        return self._split
+
+    def compute(self, window: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        if self.kind == "conv":
+            return nn.functional.conv2d(window, params[0], params[1] if len(params) > 1 else None,
+                                        c["stride"], 0, c["dilation"], c["groups"])
+        if self.kind == "maxpool":
+            return nn.functional.max_pool2d(window, c["kernel"], c["stride"], 0, c["dilation"])
+        return nn.functional.avg_pool2d(window, c["kernel"], c["stride"], 0,
+                                        divisor_override=c.get("divisor_override"))
+
+    def forward(self, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        return _HaloOp.apply(x, self, *params)
+
+    def extra_repr(self) -> str:
+        ex = self.exchange
+        top, bottom, left, right = ex.halo_widths()
+        src = "replicated" if self.replicated else f"tile {ex.own}"
+        return (f"{self.kind} {self.cfg} on {src} -> window {ex.need}; halo top={top} "
+                f"bottom={bottom} left={left} right={right}; recv from "
+                f"{[u for u, _ in ex.recvs]}, send to {[u for u, _ in ex.sends]}")
