@@ -1,0 +1,1 @@
+"""The command-line tools: fxpar-inspect, fxpar-run, fxpar-checkpoint."""
