@@ -120,3 +120,20 @@ def test_section_contract_and_disturbed_launches(bp, monkeypatch):
     assert "`1f1b` round 1 torch (0.90 cores)" in sec["notes"]
     assert "outside +-10%" in sec["notes"]
     assert sec["tables"][-1]["rows"][0][4] == "20.0% (20.0-20.0%)"  # 1 - 3.2 / (2 x 2)
+
+
+def test_fxpar_balance_starts_stage_1_at_the_split_module(bp):
+    """The benchmark's split (stage 1 from ``layer3``) is found in the captured graph by module
+    path; the torch side cuts at the same module, so both pipelines hold the same parameters."""
+    import torchvision
+
+    import fxpar
+    from fxpar.core.meta import module_path
+    from fxpar.passes.split_stages import compute_nodes
+
+    model = torchvision.models.resnet18(num_classes=10)
+    first, rest = bp.fxpar_balance(model)
+    nodes = compute_nodes(fxpar.trace(model, (8, 3, bp.IMAGE, bp.IMAGE)))
+    assert first + rest == len(nodes)
+    assert module_path(nodes[first]).startswith(f"{bp.SPLIT}.0")
+    assert not any(module_path(n).startswith(bp.SPLIT) for n in nodes[:first])

@@ -91,10 +91,12 @@ def fxpar_balance(model: Any) -> tuple[int, int]:
     """fxpar's ``Plan.balance`` that starts stage 1 at the first node of ``SPLIT`` (balance
     counts compute nodes in graph order, the split pass's own ``compute_nodes``)."""
     import fxpar
+    from fxpar.core.meta import module_path
     from fxpar.passes.split_stages import compute_nodes
 
     nodes = compute_nodes(fxpar.trace(model, (8, 3, IMAGE, IMAGE)))
-    idx = next(i for i, n in enumerate(nodes) if n.name.startswith(f"{SPLIT}_0"))
+    # the captured graph names ATen calls (conv2d_12); the module path says where they come from
+    idx = next(i for i, n in enumerate(nodes) if module_path(n).split(".")[0] == SPLIT)
     return idx, len(nodes) - idx
 
 
