@@ -87,11 +87,14 @@ def check_section(sec: Any, where: str = "section") -> dict[str, Any]:
 # -- provenance ---------------------------------------------------------------------------------
 def revision() -> str:
     """Short HEAD, with ``+dirty`` when tracked files differ from it (untracked ones do not
-    count: they are not part of what ran unless imported, and new tools always are)."""
+    count: they are not part of what ran unless imported, and new tools always are). The
+    results this script writes under docs/ do not count either: a run of several sections
+    rewrites them after the first, and they are not code."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":(exclude)docs"],
                                cwd=ROOT, check=True, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
