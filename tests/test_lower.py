@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from errors_triggers import MixedDtypes as Mixed  # the catalogue's model of this error
 from torch import nn
 
 import fxpar
@@ -217,18 +218,6 @@ def test_rank_program_checks_the_real_tag_bound_before_communicating():
 
 
 # -- gradient sums checked before communicating -------------------------------------------
-class Mixed(nn.Module):
-    """Parameters of two dtypes: their gradients cannot share one flat bucket."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.scale = nn.Parameter(torch.ones(1, dtype=torch.float64))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.conv(x) * self.scale.float()).mean((2, 3))
-
-
 def test_mixed_parameter_dtypes_fail_at_compile_time_not_at_the_first_allreduce():
     x = torch.empty(2, 3, 4, 4, device="meta")
     fxpar.compile(Mixed(), Plan(), x)  # one rank: nothing is summed
