@@ -12,16 +12,29 @@ from collections.abc import Callable
 from torch import nn
 
 from fxpar.models.amoebanet import amoebanetd
+from fxpar.models.cosmoflow import cosmoflow
 from fxpar.models.resnet_v2 import resnet110_v2, resnet_v2
 from fxpar.models.unet import unet
+from fxpar.models.unet3d import unet3d
 
-__all__ = ["MODELS", "amoebanetd", "build", "resnet110_v2", "resnet_v2", "unet"]
+__all__ = [
+    "MODELS",
+    "amoebanetd",
+    "build",
+    "cosmoflow",
+    "resnet110_v2",
+    "resnet_v2",
+    "unet",
+    "unet3d",
+]
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "amoebanet": amoebanetd,
+    "cosmoflow": cosmoflow,
     "resnet_v2": resnet_v2,
     "resnet110": resnet110_v2,
     "unet": unet,
+    "unet3d": unet3d,
 }
 
 

@@ -18,6 +18,7 @@ with their widths per side (``fxpar-inspect``).
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -72,9 +73,9 @@ def _shape(n: fx.Node) -> tuple[int, ...]:
     return meta.get(n, TensorInfo).shape
 
 
-def _extent(n: fx.Node) -> tuple[int, int]:
-    s = _shape(n)
-    return (s[2], s[3])
+def _extent(n: fx.Node) -> tuple[int, ...]:
+    """The spatial sizes of ``n``'s output: (H, W), or (D, H, W) for a volume."""
+    return tuple(_shape(n)[2:])
 
 
 def _tiled(n: Any) -> bool:
@@ -101,11 +102,11 @@ def window_needs(grid: Grid, n: fx.Node, op: Window) -> list[Rect]:
     x = n.args[0]
     assert isinstance(x, fx.Node)
     out_ext, in_ext = _extent(n), _extent(x)
-    image = Rect((0, in_ext[0]), (0, in_ext[1]))
+    image = Rect.whole(in_ext)
     needs = []
     for u in range(grid.size):
         r = grid.tile_rect(out_ext, u)
-        need = Rect(op.needs(r.h, 0), op.needs(r.w, 1))
+        need = Rect(*(op.needs(iv, i) for i, iv in enumerate(r.dims)))
         if op.kind == "interp":  # border rows repeat (clamp, reflect): no fill past it
             need = need.intersect(image) or need
         needs.append(need)
@@ -131,7 +132,7 @@ def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
 
 
 def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, needs: list[Rect], own: Rect,
-           in_ext: tuple[int, int], out_ext: tuple[int, int]) -> fx.Node:
+           in_ext: tuple[int, ...], out_ext: tuple[int, ...]) -> fx.Node:
     """One HaloOp node: exchange + op, keeping only the tile and the halo pieces for
     backward (see fxpar.runtime.spatial.ops._HaloOp)."""
     g = ctx.gm.graph
@@ -154,8 +155,9 @@ def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, needs: list[Rect], own
     node = g.call_module(name, args)
     if op.kind == "avgpool" and cfg["divisor_override"] == 1 and not op.attr("divisor_override"):
         counts = [avg_counts(in_ext[i], out_ext[i], op.k[i], op.s[i], op.p[i],
-                             bool(op.attr("count_include_pad"))) for i in range(2)]
-        div = AvgDivisor(counts[0][own.h[0]:own.h[1]], counts[1][own.w[0]:own.w[1]])
+                             bool(op.attr("count_include_pad")))[slice(*own.dims[i])]
+                  for i in range(len(in_ext))]
+        div = AvgDivisor(tuple(counts))
         node = g.call_module(ctx.add("avgdiv", div), (node,))
     return node
 
@@ -179,26 +181,26 @@ def _weights(n: fx.Node) -> tuple[int, Any, Any]:
     return int(groups), n.args[1], bias
 
 
-def _crop(g: fx.Graph, x: fx.Node, h: tuple[int, int], w: tuple[int, int]) -> fx.Node:
-    return g.call_function(operator.getitem, (x, (slice(None), slice(None), slice(*h),
-                                                  slice(*w))))
+def _crop(g: fx.Graph, x: fx.Node, box: Rect) -> fx.Node:
+    return g.call_function(operator.getitem, (x, (slice(None), slice(None),
+                                                  *(slice(*iv) for iv in box.dims))))
 
 
 def _tile_op(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect, need: Rect,
-             in_ext: tuple[int, int], out_ext: tuple[int, int]) -> fx.Node:
+             in_ext: tuple[int, ...], out_ext: tuple[int, ...]) -> fx.Node:
     g = ctx.gm.graph
     s, d = op.s, op.d
     if op.kind == "pad":
         return win
     if op.kind == "interp":
-        interp = TileInterp(op.attr("maps"), own.h, own.w, (need.h[0], need.w[0]))
+        interp = TileInterp(op.attr("maps"), own.dims, tuple(a for a, _ in need.dims))
         return g.call_module(ctx.add("interp", interp), (win,))
     if op.kind == "convT":
         groups, w, b = _weights(n)
-        full = g.call_function(F.conv_transpose2d, (win, w, b, s, 0, 0, groups, d))
-        base = (need.h[0] * s[0] - op.p[0], need.w[0] * s[1] - op.p[1])
-        return _crop(g, full, (own.h[0] - base[0], own.h[1] - base[0]),
-                     (own.w[0] - base[1], own.w[1] - base[1]))
+        conv_t = F.conv_transpose3d if len(s) == 3 else F.conv_transpose2d
+        full = g.call_function(conv_t, (win, w, b, s, 0, 0, groups, d))
+        base = tuple(a * s[i] - op.p[i] for i, (a, _) in enumerate(need.dims))
+        return _crop(g, full, own.moved(base))
     raise AssertionError(f"no tile rule for window kind {op.kind!r}")
 
 
@@ -209,8 +211,8 @@ def _as_tile(ctx: _Ctx, n: fx.Node, a: Any) -> Any:
     if _tiled(a) and a not in ctx.replicated:
         return a
     shape = meta.get(a, TensorInfo).shapes
-    if len(shape) == 1 and len(shape[0]) == 4 and (shape[0][2], shape[0][3]) == _extent(n):
-        ext = _extent(n)
+    ext = _extent(n)
+    if len(shape) == 1 and len(shape[0]) == len(ext) + 2 and tuple(shape[0][2:]) == ext:
         needs = [ctx.grid.tile_rect(ext, u) for u in range(ctx.grid.size)]
         return _halo(ctx, n, a, needs, 0.0)  # whole on every rank: slice my tile
     return a  # broadcast (e.g. a squeeze-excite scale of shape N x C x 1 x 1)
@@ -230,18 +232,19 @@ def _island_entry(ctx: _Ctx, n: fx.Node) -> None:
 
 
 def _tile_reshape(ctx: _Ctx, n: fx.Node) -> None:
-    """A reshape that keeps H and W as its last two dims, with this tile's sizes there."""
+    """A reshape that keeps the spatial dims last, with this tile's sizes there."""
     shape = _shape(n)
-    own = ctx.grid.tile_rect((shape[-2], shape[-1]), ctx.tile)
+    nd = ctx.grid.ndim
+    own = ctx.grid.tile_rect(tuple(shape[-nd:]), ctx.tile)
     sizes = list(n.args[1])
-    sizes[-2:] = list(own.shape)
+    sizes[-nd:] = list(own.shape)
     n.args = (n.args[0], sizes, *n.args[2:])
 
 
 def _tile_norm(ctx: _Ctx, n: fx.Node, op: Norm) -> None:
     """Group / instance norm -> TileGroupNorm (per-sample statistics over all tiles)."""
     shape = _shape(n)
-    count = shape[1] // op.groups * shape[2] * shape[3]
+    count = shape[1] // op.groups * math.prod(shape[2:])
     name = ctx.add("groupnorm", TileGroupNorm(op.groups, op.eps, ctx.key, count))
     args = [_as_tile(ctx, n, n.args[0])]
     args += [arg(n, i, None) for i in (op.weight, op.bias)]
@@ -254,7 +257,7 @@ def _tile_batch_norm(ctx: _Ctx, n: fx.Node) -> None:
     """A captured graph's BatchNormOp -> TileBatchNorm (global statistics over the tiles)."""
     bn = ctx.gm.get_submodule(str(n.target))
     shape = _shape(n)
-    name = ctx.add("syncbn", TileBatchNorm(ctx.key, shape[0] * shape[2] * shape[3],
+    name = ctx.add("syncbn", TileBatchNorm(ctx.key, shape[0] * math.prod(shape[2:]),
                                            bn.momentum, bn.eps, bn.owner))
     x = _as_tile(ctx, n, n.args[0])  # the input image is whole: my tile
     with ctx.gm.graph.inserting_before(n):
@@ -300,7 +303,7 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
         if isinstance(op, Reduce):
             x = n.args[0]
             own = grid.tile_rect(_extent(x), tile)
-            name = ctx.add("reduce", TileReduce(op.kind, key, _extent(x), own.h, own.w,
+            name = ctx.add("reduce", TileReduce(op.kind, key, _extent(x), own.dims,
                                                 op.keepdim, op.out))
             with gm.graph.inserting_before(n):
                 new = gm.graph.call_module(name, (x,))
@@ -332,11 +335,11 @@ def input_windows(stage: fx.GraphModule, grid: Grid, batch_inputs: set[int]
         return [None] * grid.size
     for x in inputs:
         info = meta.find(x, TensorInfo)
-        if info is None or len(info.shapes) != 1 or len(info.shapes[0]) != 4:
+        if info is None or len(info.shapes) != 1 or len(info.shapes[0]) != grid.ndim + 2:
             return None
     reads: list[list[Rect]] = [[] for _ in range(grid.size)]
     for x in inputs:
-        image = Rect((0, _extent(x)[0]), (0, _extent(x)[1]))
+        image = Rect.whole(_extent(x))
         for n in x.users:
             for u, need in enumerate(_reads(stage, grid, n, x)):
                 inside = image if need is None else need.intersect(image)
@@ -389,6 +392,6 @@ def _mentions(args: Any, x: fx.Node) -> bool:
 
 
 def bounding(rects: list[Rect]) -> Rect:
-    """The smallest rectangle holding every one of ``rects`` (not empty)."""
-    return Rect((min(r.h[0] for r in rects), max(r.h[1] for r in rects)),
-                (min(r.w[0] for r in rects), max(r.w[1] for r in rects)))
+    """The smallest box holding every one of ``rects`` (not empty)."""
+    return Rect(*((min(r.dims[i][0] for r in rects), max(r.dims[i][1] for r in rects))
+                  for i in range(rects[0].ndim)))

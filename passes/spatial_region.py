@@ -1,6 +1,7 @@
 """Pass: find the spatial region — the nodes that run on image tiles.
 
-The region grows forward from the model's 4-D inputs through ops fxpar knows how to run on tiles
+The region grows forward from the model's image inputs (N, C, H, W) or volume inputs
+(N, C, D, H, W) through ops fxpar knows how to run on tiles
 (fxpar.frontend.rules.opclass). It ends before the first op that is not one of them (flatten, view,
 linear, an unknown function: it is named in the node's ``SpatialLayout.reason``), before an
 op whose output would leave some rank an empty tile, and before a pointwise op with an operand
@@ -13,6 +14,7 @@ rank of the group).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -42,13 +44,36 @@ class SpatialLayout:
     2 and 3 (N, H, W, C; or N, R, C, H, W), so it never crosses a stage or meets a join."""
 
 
-def _extent(n: fx.Node) -> tuple[int, int] | None:
-    """(H, W) of a node's 4-D output; of a channel split's outputs when they all agree."""
+GRID_KEY = "fxpar.grid"
+"""``gm.meta`` key of the tile grid (a :class:`Grid`) the region pass chose."""
+
+
+def _extent(n: fx.Node) -> tuple[int, ...] | None:
+    """The spatial sizes ((H, W), or (D, H, W)) of a node's 4-D or 5-D output; of a channel
+    split's outputs when they all agree."""
     info = meta.find(n, TensorInfo)
-    if info is None or not info.shapes or any(len(s) != 4 for s in info.shapes):
+    if info is None or not info.shapes or any(len(s) not in (4, 5) for s in info.shapes):
         return None
-    extents = {(s[2], s[3]) for s in info.shapes}
+    extents = {tuple(s[2:]) for s in info.shapes}
     return extents.pop() if len(extents) == 1 else None
+
+
+def _size(ext: tuple[int, ...]) -> str:
+    return "x".join(map(str, ext))
+
+
+def spatial_dims(gm: fx.GraphModule) -> int:
+    """How many spatial dims the model's image input has: 2 for (N, C, H, W), 3 for a volume
+    (N, C, D, H, W); 2 when no input is either."""
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and (ext := _extent(n)) is not None:
+            return len(ext)
+    return 2
+
+
+def image_grid(gm: fx.GraphModule) -> Grid:
+    """The tile grid :func:`spatial_region` chose for ``gm``."""
+    return gm.meta[GRID_KEY]
 
 
 def _inputs(n: fx.Node) -> list[fx.Node]:
@@ -59,7 +84,8 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """Annotate every node with its SpatialLayout (no-op for plans without spatial parts)."""
     if not plan.spatial:
         return gm
-    grid = Grid(*plan.tile_grid())
+    grid = Grid(*plan.tile_grid(spatial_dims(gm)))
+    gm.meta[GRID_KEY] = grid
     tiled: set[fx.Node] = set()
     islands = find_islands(gm)
     for n in gm.graph.nodes:
@@ -69,8 +95,8 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
                 tiled.add(n)
                 meta.put(n, SpatialLayout(True))
             elif ext is not None:
-                meta.put(n, SpatialLayout(False, f"the {ext[0]}x{ext[1]} input {n.name!r} is "
-                                                 f"smaller than the tile grid"))
+                meta.put(n, SpatialLayout(False, f"the {_size(ext)} input {n.name!r} is "
+                                                 f"smaller than the {grid} tile grid"))
             else:
                 meta.put(n, SpatialLayout(False))
             continue
@@ -84,7 +110,7 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         role = islands.get(n)
         if role == "entry" and len(ins) < len(_inputs(n)):
             role = None  # a stack of tiles and whole tensors: the region ends there
-        if role is not None and (role != "entry" or grid.fits(_extent(ins[0]) or (0, 0))):
+        if role is not None and (role != "entry" or grid.fits(_extent(ins[0]) or ())):
             tiled.add(n)  # per-pixel ops in another layout: the tile as it is
             meta.put(n, SpatialLayout(True, island=role != "exit"))
             continue
@@ -97,10 +123,9 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             meta.put(n, SpatialLayout(False))  # a global reduction: the region goes on past it
             continue
         elif ext is None:
-            reason = f"{_describe(gm, n)} does not produce a 4-D image tensor"
+            reason = f"{_describe(gm, n)} does not produce an image (or volume) tensor"
         elif not grid.fits(ext):
-            reason = (f"its {ext[0]}x{ext[1]} output is smaller than the {grid.rows}x"
-                      f"{grid.cols} tile grid")
+            reason = f"its {_size(ext)} output is smaller than the {grid} tile grid"
         elif isinstance(op, Pointwise) and any(_extent(a) not in (ext, None) for a in ins):
             reason = "its tiled inputs have different image sizes"
         elif isinstance(op, Pointwise):
@@ -168,11 +193,11 @@ def _operands(args: Any, direct: bool) -> Iterator[tuple[bool, fx.Node]]:
             yield from _operands(a.values(), False)
 
 
-def _whole_operand(n: fx.Node, tiled: set[fx.Node], grid: Grid, ext: tuple[int, int]) -> str:
+def _whole_operand(n: fx.Node, tiled: set[fx.Node], grid: Grid, ext: tuple[int, ...]) -> str:
     """Why pointwise ``n`` cannot run on tiles because of an operand that is not tiled but
     varies along a split dim ('' if none). The tile rewrite slices a whole operand only when it
-    is a positional argument with the output's 4-D extent; anything else is used as it is, so
-    it must broadcast along the split dims (size 1 there)."""
+    is a positional argument with the output's rank and extent; anything else is used as it
+    is, so it must broadcast along the split dims (size 1 there)."""
     # a concatenation's operands come as one list; each is sliced to the tile like an argument
     cat = getattr(n.target, "overloadpacket", n.target) in (torch.ops.aten.cat, torch.cat)
     args = n.args[0] if cat and n.args and isinstance(n.args[0], (list, tuple)) else n.args
@@ -181,13 +206,13 @@ def _whole_operand(n: fx.Node, tiled: set[fx.Node], grid: Grid, ext: tuple[int, 
         if a in tiled or info is None or len(info.shapes) != 1:
             continue
         shape = info.shape
-        if direct and len(shape) == 4 and (shape[2], shape[3]) == ext:
+        if direct and len(shape) == len(ext) + 2 and tuple(shape[2:]) == ext:
             continue
-        h = shape[-2] if len(shape) >= 2 else 1
-        w = shape[-1] if len(shape) >= 1 else 1
-        if (h > 1 and grid.rows > 1) or (w > 1 and grid.cols > 1):
+        trailing = (1,) * max(0, grid.ndim - len(shape)) + tuple(shape[-grid.ndim:])
+        if any(size > 1 and parts > 1 for size, parts in
+               zip(trailing[-grid.ndim:], grid.parts, strict=True)):
             return (f"its operand {a.name!r} of shape {tuple(shape)} is not tiled and varies "
-                    f"along a split dim (only same-size or size-1 H/W operands are)")
+                    f"along a split dim (only same-size or size-1 spatial operands are)")
     return ""
 
 
@@ -197,8 +222,9 @@ def _nothing_tiled(gm: fx.GraphModule, plan: Plan, grid: Grid) -> str:
     if not any(_extent(n) is not None for n in inputs):
         shapes = [meta.get(n, TensorInfo).shapes for n in inputs if meta.find(n, TensorInfo)]
         got = ", ".join("x".join(map(str, s)) + f" ({len(s)}-D)" for ss in shapes for s in ss)
-        return (f"spatial_parts={plan.spatial_parts} splits the H and W of a 4-D (N, C, H, W) "
-                f"image, but this model's input is {got or 'not a tensor'}: set "
+        return (f"spatial_parts={plan.spatial_parts} splits the spatial dims of an image (N, C, "
+                f"H, W) or a volume (N, C, D, H, W), but this model's input is "
+                f"{got or 'not a tensor'}: set "
                 f"spatial_parts=1 (stages, microbatches, gems and data_parallel work on any "
                 f"input)")
     first = _first_end(gm)
@@ -206,10 +232,10 @@ def _nothing_tiled(gm: fx.GraphModule, plan: Plan, grid: Grid) -> str:
         mean = next((u for n in inputs for u in n.users), None)
         into = "is not used by the model" if mean is None else \
             f"goes straight into {_describe(gm, mean)}, a reduction over all of H and W"
-        return (f"nothing in this model can run on {grid.rows}x{grid.cols} tiles: the image "
+        return (f"nothing in this model can run on {grid} tiles: the image "
                 f"{into}, so there is no per-pixel work to split; set spatial_parts=1 (or put "
                 f"convolutions before it)")
-    head = (f"nothing in this model can run on {grid.rows}x{grid.cols} tiles "
+    head = (f"nothing in this model can run on {grid} tiles "
             f"({_explained(gm, first)})")
     ext = _extent(first)
     if first.op != "placeholder" and (ext is None or grid.fits(ext)):
@@ -283,14 +309,12 @@ def _what_fits(gm: fx.GraphModule, plan: Plan, grid: Grid, first: fx.Node) -> st
     ext = _extent(first)
     if image is None or ext is None or grid.fits(ext):
         return ": use a larger image or fewer spatial_parts"
-    f = max(grid.rows / ext[0], grid.cols / ext[1])
-    h, w = -(-image[0] * f // 1), -(-image[1] * f // 1)
-    if plan.slice == "vertical":
-        most = ext[1]
-    elif plan.slice == "horizontal":
-        most = ext[0]
-    else:
-        most = max(p for p in range(1, ext[0] * ext[1] + 1)
-                   if Grid(*Plan(spatial_parts=p).tile_grid()).fits(ext))
-    return (f": use an image of at least {int(h)}x{int(w)}, or spatial_parts <= {most} "
+    f = max(p / e for p, e in zip(grid.parts, ext, strict=True))
+    at_least = _size(tuple(int(-(-i * f // 1)) for i in image))
+    if plan.grid is not None:
+        return f": use an image of at least {at_least}, or a smaller Plan.grid"
+    most = max((p for p in range(1, min(math.prod(ext), 1024) + 1)
+                if Grid(*Plan(spatial_parts=p, slice=plan.slice).tile_grid(len(ext))).fits(ext)),
+               default=1)
+    return (f": use an image of at least {at_least}, or spatial_parts <= {most} "
             f"with slice={plan.slice!r}")

@@ -203,11 +203,12 @@ CATALOGUE: list[Entry] = [
           "Pass init=fn to fxpar.compile; fn(qualified_name, module) fills the module's tensors.",
           meta_model),
     # spatial
-    Entry("spatial-not-4d", "spatial", "spatial_parts > 1 for a model whose input is not an "
-          "image", PlanError, r"splits the H and W of a 4-D",
-          "Set spatial_parts=1: stages, microbatches, gems and data_parallel work on any input.",
-          lambda: build(Plan(spatial_parts=2), shape=(4, 3, 8, 8, 8),
-                           model=nn.Sequential(nn.Conv3d(3, 4, 3), nn.Flatten()))),
+    Entry("spatial-not-4d", "spatial", "spatial_parts > 1 for a model whose input is neither an "
+          "image nor a volume", PlanError, r"splits the spatial dims of an image \(N, C, H, W\) "
+          r"or a volume", "Set spatial_parts=1: stages, microbatches, gems and data_parallel "
+          "work on any input.",
+          lambda: build(Plan(spatial_parts=2), shape=(4, 3, 16),
+                           model=nn.Sequential(nn.Conv1d(3, 4, 3), nn.Flatten()))),
     Entry("spatial-image-too-small", "spatial", "the image has fewer rows or columns than "
           "the tile grid", PlanError, r"use an image of at least",
           "Use a larger image, fewer spatial_parts, or another slice (the message gives the "

@@ -34,7 +34,7 @@ def test_split_convolution_matches_the_whole_image(ext, grid_shape):
 def _check(ext: tuple[int, int], grid: Grid, k: int, s: int, p: int, d: int) -> None:
     h, w = ext
     ho, wo = out_extent(h, k, s, p, d), out_extent(w, k, s, p, d)
-    if ho < grid.rows or wo < grid.cols:
+    if ho < grid.parts[0] or wo < grid.parts[1]:
         return  # more tiles than output rows or columns
     gen = torch.Generator().manual_seed(k * 1000 + s * 100 + p * 10 + d)
     x = torch.randn(1, 2, h, w, dtype=torch.float64, generator=gen)
@@ -119,7 +119,7 @@ def test_window_assembly_pads_exactly_outside_the_image():
             [(13, 17), (8, 8)], [(1, 2), (2, 2), (3, 1)], [1, 3, 5], [1, 2], [0, 1, 2]):
         ho, wo = out_extent(h, k, s, p, 1), out_extent(w, k, s, p, 1)
         grid = Grid(*grid_shape)
-        if ho < grid.rows or wo < grid.cols:
+        if ho < grid.parts[0] or wo < grid.parts[1]:
             continue
         x = torch.randn(1, 2, h, w, generator=gen)
         needs = [Rect(window_rows(o.h, k, s, p, 1), window_rows(o.w, k, s, p, 1))

@@ -46,7 +46,7 @@ def test_tile_rows_equal_one_device(size, kw, mode, corners, dtype):
             nh, nw = maps[0].needs(rows), maps[1].needs(cols)
             assert 0 <= nh[0] < nh[1] <= x.shape[2] and 0 <= nw[0] < nw[1] <= x.shape[3]
             window = x[:, :, nh[0]:nh[1], nw[0]:nw[1]]
-            got = TileInterp(maps, rows, cols, (nh[0], nw[0]))(window)
+            got = TileInterp(maps, (rows, cols), (nh[0], nw[0]))(window)
             want = y[:, :, rows[0]:rows[1], cols[0]:cols[1]]
             tol = 1e-12 if dtype == torch.float64 else 1e-5
             torch.testing.assert_close(got, want, atol=tol, rtol=tol)
@@ -57,7 +57,7 @@ def test_a_wrong_index_map_is_caught():
     x = torch.randn(1, 1, 6, 6, dtype=torch.float64)
     y = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
     maps = (AxisMap("bilinear", True, 6, 12, 2.0), AxisMap("bilinear", True, 6, 12, 2.0))
-    got = TileInterp(maps, (0, 12), (0, 12), (0, 0))(x)
+    got = TileInterp(maps, ((0, 12), (0, 12)), (0, 0))(x)
     assert not torch.allclose(got, y)
 
 
@@ -76,6 +76,6 @@ def test_padding_tiles_equal_one_device(mode, pad):
             rows, cols = tile(y.shape[2], parts_h, a), tile(y.shape[3], parts_w, b)
             nh, nw = maps[0].needs(rows), maps[1].needs(cols)
             assert 0 <= nh[0] < nh[1] <= 7 and 0 <= nw[0] < nw[1] <= 5
-            got = TileInterp(maps, rows, cols, (nh[0], nw[0]))(x[:, :, nh[0]:nh[1],
+            got = TileInterp(maps, (rows, cols), (nh[0], nw[0]))(x[:, :, nh[0]:nh[1],
                                                                   nw[0]:nw[1]])
             assert torch.equal(got, y[:, :, rows[0]:rows[1], cols[0]:cols[1]])

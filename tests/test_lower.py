@@ -15,6 +15,7 @@ import fxpar
 from fxpar.compiler.driver import links_of, rank_schedules
 from fxpar.compiler.lower import Op, check, lower
 from fxpar.compiler.simulate import ScheduleError
+from fxpar.core.geometry import Grid
 from fxpar.core.messages import MPI_TAG_UB_MIN, check_tags, max_p2p_tag, p2p_tag, tag_uses
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.schedule import Action, Schedule
@@ -37,6 +38,11 @@ def setup(**plan: object) -> tuple[Schedule, StageGraph, RankMap]:
     return rank_schedules(rm, links_of(graph)), graph, rm
 
 
+def grid_of(rm: RankMap) -> Grid | None:
+    """The tile grid of an image plan (the chain graph's tensors are N x C x H x W)."""
+    return Grid(*rm.plan.tile_grid()) if rm.plan.spatial else None
+
+
 def edit(schedule: Schedule, rank: int, fn: object) -> Schedule:
     out = {r: list(acts) for r, acts in schedule.items()}
     out[rank] = fn(out[rank])  # type: ignore[operator]
@@ -54,7 +60,7 @@ PLANS = [dict(stages=3, microbatches=4, schedule="1f1b"), dict(stages=4, microba
 @pytest.mark.parametrize("plan", PLANS, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
 def test_generated_schedules_lower_and_match(plan):
     sched, graph, rm = setup(**plan)
-    lowered = lower(sched, graph, rm)
+    lowered = lower(sched, graph, rm, grid_of(rm))
     matched = check(lowered, sched)
     sends = sum(op.kind == "send" for ops in lowered.values() for op in ops)
     assert matched == sends == sum(op.kind == "recv" for ops in lowered.values() for op in ops)
@@ -62,7 +68,7 @@ def test_generated_schedules_lower_and_match(plan):
 
 def test_lowered_ops_carry_the_runtime_tags_and_peers():
     sched, graph, rm = setup(stages=2, microbatches=2)
-    ops = lower(sched, graph, rm)
+    ops = lower(sched, graph, rm, grid_of(rm))
     first = next(op for op in ops[0] if op.kind == "send")
     assert str(first) == "0SEND_F0 (to rank 1, tag 0)" and first.shape == (2, 4, 8, 8)
     grads = [op for op in ops[1] if op.action.kind == "SEND_B"]
@@ -73,7 +79,7 @@ def test_lowered_ops_carry_the_runtime_tags_and_peers():
 
 def test_a_spatial_stage_gathers_every_tile():
     sched, graph, rm = setup(stages=2, spatial_parts=4)
-    ops = lower(sched, graph, rm)
+    ops = lower(sched, graph, rm, grid_of(rm))
     recvs = [op for op in ops[4] if op.kind == "recv"]
     assert [op.peer for op in recvs] == [0, 1, 2, 3] and {op.shape for op in recvs} == \
         {(2, 4, 4, 4)}
@@ -87,7 +93,7 @@ def test_a_dropped_send_is_a_deadlock_naming_both_ranks():
     sched, graph, rm = setup(stages=3, microbatches=2)
     broken = edit(sched, 1, lambda acts: [a for a in acts if str(a) != "1SEND_F0"])
     with pytest.raises(ScheduleError) as e:
-        check(lower(broken, graph, rm), broken)
+        check(lower(broken, graph, rm, grid_of(rm)), broken)
     text = str(e.value)
     assert "deadlock" in text
     assert "rank 2 waits at 2RECV_F0 (from rank 1, tag 1), while rank 1 waits at 1RECV_B0 " \
@@ -107,7 +113,7 @@ def test_a_swapped_receive_order_is_a_deadlock():
     with pytest.raises(ScheduleError, match=re.escape(
             "rank 2 waits at 2RECV_F2 (from rank 1, tag 5), while rank 1 waits at 1RECV_B0 "
             "(from rank 2, tag 9)")):
-        check(lower(broken, graph, rm), broken)
+        check(lower(broken, graph, rm, grid_of(rm)), broken)
 
 
 def test_running_before_receiving_is_reported():
@@ -121,12 +127,12 @@ def test_running_before_receiving_is_reported():
     broken = edit(sched, 1, swap)
     with pytest.raises(ScheduleError, match=r"rank 1 runs 1F0 before receiving its inputs "
                                             r"\(1RECV_F0\)"):
-        lower(broken, graph, rm)
+        lower(broken, graph, rm, grid_of(rm))
 
 
 def test_a_wrong_tag_is_never_received():
     sched, graph, rm = setup(stages=2, microbatches=1)
-    lowered = lower(sched, graph, rm)
+    lowered = lower(sched, graph, rm, grid_of(rm))
     lowered[0] = [Op(op.kind, op.step, op.action, op.peer, 99, op.shape)
                   if op.kind == "send" else op for op in lowered[0]]
     with pytest.raises(ScheduleError) as e:
@@ -138,7 +144,7 @@ def test_a_wrong_tag_is_never_received():
 
 def test_a_shape_mismatch_is_reported():
     sched, graph, rm = setup(stages=2)
-    lowered = lower(sched, graph, rm)
+    lowered = lower(sched, graph, rm, grid_of(rm))
     lowered[1] = [Op(op.kind, op.step, op.action, op.peer, op.tag, (1, 2))
                   if op.kind == "recv" else op for op in lowered[1]]
     with pytest.raises(ScheduleError, match=re.escape(
@@ -153,7 +159,7 @@ def test_a_collective_entered_by_part_of_its_group():
     with pytest.raises(ScheduleError, match=re.escape(
             "rank 0 waits at ALLREDUCE (collective on stage 0, ranks [0, 1]), while ranks [1] "
             "finished their step without entering it")):
-        check(lower(broken, graph, rm), broken)
+        check(lower(broken, graph, rm, grid_of(rm)), broken)
 
 
 def test_tiles_at_different_collectives_are_reported():
@@ -170,7 +176,7 @@ def test_tiles_at_different_collectives_are_reported():
     with pytest.raises(ScheduleError, match=re.escape(
             "ranks of one communicator are at different collectives: rank 0 at 0F0 "
             "(collective on tiles c0s0 dp0, ranks [0, 1]), rank 1 at 0F1")):
-        check(lower(broken, graph, rm), broken)
+        check(lower(broken, graph, rm, grid_of(rm)), broken)
 
 
 # -- tags ------------------------------------------------------------------------------------

@@ -195,7 +195,8 @@ def test_unet_output_spatial_size_equals_input(size):
 
 
 def test_registry_names_and_build():
-    assert set(models.MODELS) == {"amoebanet", "resnet_v2", "resnet110", "unet"}
+    assert set(models.MODELS) == {"amoebanet", "resnet_v2", "resnet110", "unet", "unet3d",
+                                  "cosmoflow"}
     # each name builds its own architecture with the keyword arguments passed through
     amoeba = models.build("amoebanet", num_layers=1, num_filters=8)
     assert sum(not c.reduction for c in amoeba.cells) == 1

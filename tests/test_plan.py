@@ -16,7 +16,8 @@ def test_defaults_are_the_trivial_plan():
     (dict(microbatches=2.5), "Plan.microbatches must be an integer >= 1, got 2.5"),
     (dict(spatial_parts=True), "Plan.spatial_parts must be an integer >= 1, got True"),
     (dict(schedule="zb"), "Plan.schedule must be one of ('gpipe', '1f1b'), got 'zb'"),
-    (dict(slice="diagonal"), "Plan.slice must be one of ('vertical', 'horizontal', 'square')"),
+    (dict(slice="diagonal"), "Plan.slice must be one of ('vertical', 'horizontal', 'square', "
+                             "'slab', 'pencil', 'cube')"),
     (dict(spatial_parts=4, spatial_stages=3, stages=2),
      "Plan.spatial_stages=3 exceeds stages=2: set spatial_stages <= stages"),
     (dict(gems_times=2), "Plan.gems_times > 1 needs gems=True"),

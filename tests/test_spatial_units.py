@@ -148,7 +148,7 @@ def test_region_ends_at_a_whole_operand_that_varies_along_a_split_dim(bias, slic
     gm = trace(_PositionBias(bias), (2, 3, 8, 8))
     spatial_region(gm, fxpar.Plan(spatial_parts=2, slice=slice_))
     want = [f"region ends at 'add': its operand 'bias' of shape {bias} is not tiled and varies "
-            f"along a split dim (only same-size or size-1 H/W operands are)"]
+            f"along a split dim (only same-size or size-1 spatial operands are)"]
     assert region_ends(gm) == (want if ends else [])
 
 

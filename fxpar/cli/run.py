@@ -4,10 +4,14 @@
         --image-size 256 --batch-size 4 --steps 5 --split-size 2 --num-spatial-parts 4 \\
         --parts 2 --metrics out.json
     mpiexec -n 3 fxpar-run job/ --data images/ --epochs 2    # a folder from program.save()
+    mpiexec -n 8 fxpar-run volume.py:make --channels 1 --image-size 64x128x128 --grid 2x2x2
 
 MPI4DL's flag names are accepted as aliases (``--split-size`` for ``--stages``, ``--parts``
-for ``--microbatches``, ...). Data is synthetic (fixed seed) unless ``--data DIR`` names an image
-folder; each spatial rank then reads only its tile (plus halo) of each image (fxpar.io.data).
+for ``--microbatches``, ...). Data is synthetic (fixed seed) unless ``--data DIR`` names a
+folder of images or volumes (.npy, NIfTI, PNG / JPEG / TIFF); each spatial rank then reads only
+its tile (plus halo) of each image (fxpar.io.data). ``--image-size`` is N (a square image),
+HxW, or DxHxW for 3-D volumes (batches N x C x D x H x W); ``--grid HxW`` / ``--grid DxHxW``
+gives the process grid explicitly (``Plan.grid``; the tile count is its product).
 Rank 0 prints a progress line per step and, at the end, a per-rank table (stage, tile, peak
 memory, compute vs communication time); ``--metrics FILE`` writes the same as JSON
 (fxpar.io.metrics). Every user error (bad plan, model, data) is reported before any rank talks
@@ -42,6 +46,8 @@ from fxpar.io.data import (
     ImageFolder,
     Synthetic,
     describe,
+    parse_size,
+    spatial_size,
 )
 from fxpar.io.metrics import Recorder, gather, table, write_metrics
 from fxpar.io.program import _LAUNCHER_VARS, RankProgram
@@ -52,13 +58,35 @@ from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
 PLAN_FLAGS = (("stages", "--stages/--split-size", 1), ("balance", "--balance", None),
               ("microbatches", "--microbatches/--parts", 1), ("schedule", "--schedule", "gpipe"),
               ("spatial_parts", "--spatial-parts/--num-spatial-parts", 1),
-              ("slice", "--slice/--slice-method", "square"),
+              ("slice", "--slice/--slice-method", "square"), ("grid", "--grid", None),
               ("spatial_stages", "--spatial-stages/--spatial-size", 1), ("gems", "--gems", False),
               ("times", "--times", 1), ("data_parallel", "--data-parallel/--local-DP", 1))
 MODEL_FLAGS = (("model_arg", "-k"), ("num_layers", "--num-layers"),
                ("num_filters", "--num-filters"))
 USER_ERRORS = (PlanError, ModelSpecError, TraceError, DataError, CheckpointError, ValueError,
                TypeError)
+
+
+def image_size_arg(text: str) -> int | tuple[int, ...]:
+    """``--image-size``: N (an int: a square image) or (H, W) / (D, H, W)."""
+    try:
+        size = parse_size(text)
+    except DataError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return size[0] if len(size) == 1 else size
+
+
+def grid_arg(text: str) -> tuple[int, ...]:
+    """``--grid``: tiles per spatial dim, HxW or DxHxW."""
+    try:
+        grid = parse_size(text, "--grid", ("2x4", "2x2x2"))
+    except DataError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if len(grid) == 1:
+        raise argparse.ArgumentTypeError(
+            f"--grid {text}: give tiles per spatial dim, HxW or DxHxW (e.g. --grid 1x{grid[0]}"
+            f"); for {grid[0]} tiles cut by --slice use --spatial-parts {grid[0]}")
+    return grid
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,8 +96,10 @@ def parser() -> argparse.ArgumentParser:
                    "folder written by program.save() (its plan, model and batch size are used)")
     p.add_argument("-k", "--model-arg", action="append", default=None, metavar="KEY=VALUE",
                    help="keyword argument for the model factory (repeatable)")
-    p.add_argument("--image-size", type=int, default=None,
-                   help="image height = width (default 256) [--image-size]")
+    p.add_argument("--image-size", type=image_size_arg, default=None, metavar="N|HxW|DxHxW",
+                   help="input size: N for a square N x N image (default 256), HxW, or DxHxW "
+                   "for a 3-D volume (batches N x C x D x H x W); N with a DxHxW --grid is a "
+                   "cube [--image-size]")
     p.add_argument("--batch-size", type=int, default=None,
                    help="global batch per step (default 8) [--batch-size]")
     p.add_argument("--channels", type=int, default=3)
@@ -87,8 +117,9 @@ def parser() -> argparse.ArgumentParser:
                    help="where each rank computes: cuda binds rank r of a node to GPU r %% GPUs "
                    "(fxpar.comm.device); auto: cuda when available (default)")
     p.add_argument("--data", type=Path, default=None, metavar="DIR",
-                   help="image folder DIR/<class>/<image> (.npy, PNG, JPEG, TIFF); every image "
-                   "image-size x image-size; default: synthetic data")
+                   help="folder DIR/<class>/<file> of images (.npy, PNG, JPEG, TIFF, NIfTI) "
+                   "or volumes (.npy, .nii, .nii.gz), all of --image-size; default: synthetic "
+                   "data")
     p.add_argument("--no-shuffle", action="store_true", help="with --data: keep file order")
     p.add_argument("--log-every", type=int, default=None, metavar="K",
                    help="progress line every K steps (default 1, or about 50 lines in all)")
@@ -117,7 +148,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--spatial-parts", "--num-spatial-parts", type=int,
                    help="[--num-spatial-parts] default 1")
     g.add_argument("--slice", "--slice-method", choices=SLICES,
-                   help="[--slice-method] default square")
+                   help="[--slice-method] default square; slab, pencil, cube split a volume's "
+                   "D, D x H, D x H x W")
+    g.add_argument("--grid", type=grid_arg, metavar="HxW|DxHxW",
+                   help="explicit process grid: tiles per spatial dim (e.g. 2x2x2 for a "
+                   "volume); --spatial-parts defaults to their product")
     g.add_argument("--spatial-stages", "--spatial-size", type=int,
                    help="[--spatial-size] default 1")
     g.add_argument("--gems", action="store_true", default=None)
@@ -136,8 +171,27 @@ def plan_from_args(a: argparse.Namespace) -> Plan:
                         f"stage, e.g. --balance 40,29") from None
     return Plan(stages=v["stages"], balance=balance, microbatches=v["microbatches"],
                 schedule=v["schedule"], spatial_parts=v["spatial_parts"], slice=v["slice"],
-                spatial_stages=v["spatial_stages"], gems=v["gems"], gems_times=v["times"],
-                data_parallel=v["data_parallel"])
+                grid=v["grid"], spatial_stages=v["spatial_stages"], gems=v["gems"],
+                gems_times=v["times"], data_parallel=v["data_parallel"])
+
+
+def input_size(a: argparse.Namespace) -> tuple[int, ...]:
+    """The spatial size to compile for: ``--image-size`` as (H, W) or (D, H, W); an int is a
+    square image, or a cube when ``--grid`` is DxHxW. Raises DataError when --grid and
+    --image-size disagree on the number of spatial dims."""
+    given = 256 if a.image_size is None else a.image_size
+    grid = getattr(a, "grid", None)
+    if isinstance(given, int):
+        size = spatial_size(given, 3 if grid is not None and len(grid) == 3 else 2)
+    else:
+        size = spatial_size(given)
+    if grid is not None and len(grid) != len(size):
+        kinds = {2: "an image (HxW)", 3: "a volume (DxHxW)"}
+        raise DataError(f"--grid {'x'.join(map(str, grid))} splits {len(grid)} spatial dims "
+                        f"but --image-size {'x'.join(map(str, size))} is "
+                        f"{kinds.get(len(size), f'{len(size)}-D')}: give --grid with one tile "
+                        f"count per dim of --image-size")
+    return size
 
 
 class SavedOnly(Exception):  # noqa: N818 - not an error: the run ends after saving
@@ -155,13 +209,14 @@ class Job:
     rp: RankProgram
     source: BatchSource
     window: Rect | None
-    shape: tuple[int, int, int, int]
+    shape: tuple[int, ...]
+    """The global batch: (N, C, H, W), or (N, C, D, H, W) for volumes."""
     dtype: torch.dtype
     compile_s: float
     how: str = "compiled"
 
 
-def _source(a: argparse.Namespace, shape: tuple[int, int, int, int],
+def _source(a: argparse.Namespace, shape: tuple[int, ...],
             dtype: torch.dtype) -> BatchSource:
     """The data source; sets ``a.steps`` (from --epochs with --data). Raises DataError."""
     if a.data is None:
@@ -170,7 +225,7 @@ def _source(a: argparse.Namespace, shape: tuple[int, int, int, int],
                             "use --steps")
         a.steps = 10 if a.steps is None else a.steps
         return Synthetic(shape, a.num_classes, dtype, a.seed)
-    data = ImageFolder.scan(a.data, shape[2], shape[1])
+    data = ImageFolder.scan(a.data, tuple(shape[2:]), shape[1])
     if len(data.classes) > a.num_classes:
         raise DataError(f"--data {a.data} has {len(data.classes)} classes but the model has "
                         f"--num-classes {a.num_classes}: raise --num-classes")
@@ -187,12 +242,13 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
     if a.model_arg is None:
         a.model_arg = []
     a.batch_size = 8 if a.batch_size is None else a.batch_size
+    size = input_size(a)
     a.image_size = 256 if a.image_size is None else a.image_size
     torch.manual_seed(a.seed)  # every rank builds the same initial model
     dtype = getattr(torch, a.dtype)
     plan = plan_from_args(a)
     plan.check_batch(a.batch_size)
-    shape = (a.batch_size, a.channels, a.image_size, a.image_size)
+    shape = (a.batch_size, a.channels, *size)
     source = _source(a, shape, dtype)
     kwargs = parse_kwargs(a.model_arg)
     kwargs.setdefault("num_classes", a.num_classes)
@@ -232,12 +288,25 @@ def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:
         raise PlanError(f"{a.model} was compiled for a batch of {batch}, not --batch-size "
                         f"{a.batch_size}: drop --batch-size")
     a.batch_size = batch
-    if info.get("input_shape"):
-        _, a.channels, a.image_size, _ = info["input_shape"]
+    recorded = info.get("input_shape")
+    if recorded:
+        _, channels, *spatial = (int(s) for s in recorded)
+        size = tuple(spatial)
+        if a.image_size is not None:
+            given = (a.image_size,) * len(size) if isinstance(a.image_size, int) else \
+                tuple(a.image_size)
+            if given != size:
+                raise DataError(f"{a.model} was compiled for inputs of "
+                                f"{'x'.join(map(str, recorded))} (N x C x "
+                                f"{'D x ' if len(size) == 3 else ''}H x W), not --image-size "
+                                f"{'x'.join(map(str, given))}: drop --image-size")
+        a.channels = channels
     elif a.image_size is None:
         raise PlanError(f"{a.model}/program.json does not record the input size: give "
-                        f"--image-size (and --channels if not 3)")
-    shape = (batch, a.channels, a.image_size, a.image_size)
+                        f"--image-size (HxW, or DxHxW for a volume; and --channels if not 3)")
+    else:
+        size = spatial_size(a.image_size)
+    shape = (batch, a.channels, *size)
     if info.get("output_shape") and len(info["output_shape"]) >= 2:
         a.num_classes = int(info["output_shape"][1])  # labels in range of the saved model's
     source = _source(a, shape, getattr(torch, a.dtype))
@@ -247,8 +316,13 @@ def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:
     if hasattr(source, "dtype"):
         source.dtype = dtype  # the saved weights decide
     a.dtype = str(dtype).removeprefix("torch.")
-    return Job(rp, source, rp.input_window(image=shape[2:]), shape, dtype,
-               time.perf_counter() - t0, "loaded")
+    window = rp.input_window(image=shape[2:])
+    if window is not None and window.ndim != len(shape) - 2:
+        raise DataError(f"{a.model}/program.json records rank {rp.rank}'s input window as "
+                        f"{window} ({window.ndim} spatial dims) but the input is "
+                        f"{'x'.join(map(str, shape))} ({len(shape) - 2}): the folder does not "
+                        f"match its input shape; save the program again")
+    return Job(rp, source, window, shape, dtype, time.perf_counter() - t0, "loaded")
 
 
 def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:

@@ -117,7 +117,7 @@ def _stage_label(program: Program, stage: int, gm: fx.GraphModule, rank: int | N
     label = f"stage {stage}  (ranks {', '.join(map(str, ranks))})"
     if program.spatial is not None and stage < program.spatial.spatial_stages:
         g = program.spatial.grid
-        label += f"  tile module of a {g.rows}x{g.cols} grid: {type(gm).__name__}"
+        label += f"  tile module of a {g} grid: {type(gm).__name__}"
     return label
 
 

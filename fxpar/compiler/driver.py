@@ -27,7 +27,13 @@ from fxpar.core.stages import StageGraph
 from fxpar.frontend.trace import check_model, trace
 from fxpar.io.program import OptimizerFactory, Program, SpatialInfo
 from fxpar.passes.halo import tile_stage
-from fxpar.passes.spatial_region import Coverage, SpatialLayout, limit_region, spatial_region
+from fxpar.passes.spatial_region import (
+    Coverage,
+    SpatialLayout,
+    image_grid,
+    limit_region,
+    spatial_region,
+)
 from fxpar.passes.split_stages import model_output, split_stages
 from fxpar.runtime.loop import LossFn
 from fxpar.runtime.materialize import InitFn, meta_model_of
@@ -40,12 +46,12 @@ PASSES = [("spatial_region", spatial_region), ("split_stages", split_stages),
 """Whole-graph passes, in order."""
 
 
-def halo(stage: fx.GraphModule, plan: Plan, *, tile: int, key: str,
+def halo(stage: fx.GraphModule, plan: Plan, *, grid: Grid, tile: int, key: str,
          batch: set[int]) -> fx.GraphModule:
-    """The halo pass: ``stage`` rewritten for ``tile`` (fxpar.passes.halo.tile_stage): halo
-    exchanges, tile ops, BatchNorm sync and joins in tile group ``key``; ``batch``: positions
-    of the stage's inputs that are the model input."""
-    return tile_stage(stage, Grid(*plan.tile_grid()), tile, key, batch)
+    """The halo pass: ``stage`` rewritten for ``tile`` of ``grid`` (fxpar.passes.halo.tile_stage):
+    halo exchanges, tile ops, BatchNorm sync and joins in tile group ``key``; ``batch``:
+    positions of the stage's inputs that are the model input."""
+    return tile_stage(stage, grid, tile, key, batch)
 
 
 TILE_PASSES = [(HALO, halo)]
@@ -57,11 +63,12 @@ all 64 tiles of ResNet-152 at 16384^2 took 11.3 s, its whole compile 2.8 s, tile
 
 def tile_stages(gm: fx.GraphModule, graph: StageGraph, plan: Plan) -> SpatialInfo:
     """How to build each tile's rewritten stage module; what the loss needs to know."""
-    grid = Grid(*plan.tile_grid())
+    grid = image_grid(gm)
 
     def build(s: int, t: int, copy: int = 0) -> fx.GraphModule:
         batch = {i for i, src in enumerate(graph.inputs[s]) if src.source == "batch"}
-        passes = [(name, functools.partial(fn, tile=t, key=group_key(s, copy), batch=batch))
+        passes = [(name, functools.partial(fn, grid=grid, tile=t, key=group_key(s, copy),
+                                           batch=batch))
                   for name, fn in TILE_PASSES]
         return run_passes(graph.modules[s], plan, passes, first=None,
                           where=f"stage {s}, tile {t}, copy {copy}")
@@ -70,8 +77,8 @@ def tile_stages(gm: fx.GraphModule, graph: StageGraph, plan: Plan) -> SpatialInf
     out = packed.args[0]
     lay = meta.find(out, SpatialLayout) if isinstance(out, fx.Node) else None
     out_tiled = lay is not None and lay.tiled
-    shape = meta.get(out, TensorInfo).shape if out_tiled else (0, 0, 0, 0)
-    return SpatialInfo(build, grid, plan.spatial_stages, out_tiled, (shape[2], shape[3]))
+    shape = meta.get(out, TensorInfo).shape if out_tiled else (0, 0) + (0,) * grid.ndim
+    return SpatialInfo(build, grid, plan.spatial_stages, out_tiled, tuple(shape[2:]))
 
 
 def check_sync(graph: StageGraph, rank_map: RankMap) -> None:
@@ -210,7 +217,8 @@ def compile(  # noqa: A001 - the public name the design fixes
             after_pass(HALO, tile0)
     check_tags(tag_uses(plan, len(graph.transfers), halo_tags))
     schedule = rank_schedules(rank_map, links_of(graph))
-    check(lower(schedule, graph, rank_map), schedule)  # matching and deadlock, every rank
+    check(lower(schedule, graph, rank_map, spatial.grid if spatial is not None else None),
+          schedule)  # matching and deadlock, every rank
     return Program(plan=plan, rank_map=rank_map, graph=graph, schedule=schedule,
                    loss_fn=loss_fn, optimizer=optimizer, batch_size=int(shape[0]),
                    names=tuple(model.state_dict().keys()), traced=gm, spatial=spatial,

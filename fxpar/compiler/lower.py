@@ -64,11 +64,14 @@ class Op:
 Lowered = dict[int, list[Op]]
 
 
-def lower(schedule: Schedule, graph: StageGraph, rank_map: RankMap) -> Lowered:
-    """Every rank's operations for one step, in order. Raises ScheduleError when a rank runs
-    an F (B) before the RECV_F (RECV_B) that brings its inputs (gradients)."""
+def lower(schedule: Schedule, graph: StageGraph, rank_map: RankMap,
+          grid: Grid | None = None) -> Lowered:
+    """Every rank's operations for one step, in order; ``grid``: the spatial stages' tile grid
+    (None: no spatial stages). Raises ScheduleError when a rank runs an F (B) before the
+    RECV_F (RECV_B) that brings its inputs (gradients)."""
     plan = rank_map.plan
-    grid = Grid(*plan.tile_grid()) if plan.spatial else None
+    if not plan.spatial:
+        grid = None
     spatial_stages = plan.spatial_stages if plan.spatial else 0
     mbs = chunks_per_copy(plan)
     held = stage_groups(rank_map)

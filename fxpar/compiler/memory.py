@@ -77,7 +77,7 @@ def _tensor_bytes(ts: list[torch.Tensor]) -> int:
 
 
 def _area(r: Rect | None) -> int:
-    return 0 if r is None else r.shape[0] * r.shape[1]
+    return 0 if r is None else r.size
 
 
 def halo_bytes(module: fx.GraphModule) -> int:

@@ -18,6 +18,7 @@ from torch import fx
 
 from fxpar.compiler.report import listed, node_table
 from fxpar.core import meta
+from fxpar.core.geometry import Exchange
 from fxpar.core.plan import Plan, PlanError
 from fxpar.frontend.trace import TraceError
 from fxpar.passes.spatial_region import SpatialLayout
@@ -86,6 +87,14 @@ def _stage(n: fx.Node) -> str:
     return "-" if a is None else str(a.stage)
 
 
+def halo_widths(ex: Exchange) -> str:
+    """``t=1 b=1 l=1 r=1``; a volume's front and back first: ``fr=1 bk=1 t=1 ...``."""
+    w = ex.halo_widths()
+    names = ("fr", "bk", "t", "b", "l", "r")[-len(w):] if len(w) <= 6 else \
+        tuple(f"s{i}" for i in range(len(w)))
+    return " ".join(f"{k}={v}" for k, v in zip(names, w, strict=True))
+
+
 def halo_note(gm: fx.GraphModule, n: fx.Node) -> str:
     """What a node of a tile-rewritten stage does across tiles ('' for a local op)."""
     if n.op == "call_module":
@@ -94,9 +103,8 @@ def halo_note(gm: fx.GraphModule, n: fx.Node) -> str:
             ex = mod.exchange
             if mod.replicated:
                 return f"scatter: slice {ex.need} of the whole tensor"
-            t, b, left, r = ex.halo_widths()
             recvs, sends = sorted(u for u, _ in ex.recvs), sorted(u for u, _ in ex.sends)
-            widths = f"halo t={t} b={b} l={left} r={r}"
+            widths = f"halo {halo_widths(ex)}"
             if not recvs and not sends:
                 return f"{widths} (no exchange)"
             return f"{widths} <- tiles {recvs} -> tiles {sends}"
@@ -107,7 +115,7 @@ def halo_note(gm: fx.GraphModule, n: fx.Node) -> str:
         if isinstance(mod, TileGroupNorm):
             return "GroupNorm statistics: allgather over tiles"
         if isinstance(mod, TileReduce):
-            return f"{mod.kind} over H and W: allreduce over tiles"
+            return f"{mod.kind} over the spatial dims: allreduce over tiles"
     return ""
 
 

@@ -117,49 +117,69 @@ def _columns(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
 
 
 def halo_table(program: Program) -> str:
-    """The spatial region and, per tile of each spatial stage, every halo with its widths
-    (top, bottom, left, right) and the bytes it receives per forward, against the minimum:
-    the cells of its window that lie in the image but outside its own tile."""
+    """The spatial region, the process grid and, per tile of each spatial stage, its block of
+    the input, its halos with their widest widths (per side: top bottom left right, and
+    front back first for a volume), the pieces received by what they touch of the tile (face,
+    edge, corner; over all halos) and the bytes received per forward, against the minimum: the
+    cells of each window that lie in the image but outside its own tile."""
     info = program.spatial
     assert info is not None and program.traced is not None
     gm = program.traced
+    grid = info.grid
     tiled = sum(1 for n in gm.graph.nodes
                 if (lay := meta.find(n, SpatialLayout)) is not None and lay.tiled)
-    lines = [f"spatial region: {tiled} of {len(gm.graph.nodes)} nodes on a "
-             f"{info.grid.rows}x{info.grid.cols} tile grid "
-             f"({'tiled' if info.out_tiled else 'replicated'} model output)"]
+    dims = ("D", "H", "W")[-grid.ndim:] if grid.ndim <= 3 else ()
+    over = f" over ({', '.join(dims)})" if dims else ""
+    lines = [f"spatial region: {tiled} of {len(gm.graph.nodes)} nodes on a {grid} tile "
+             f"grid{over} ({'tiled' if info.out_tiled else 'replicated'} model output)"]
     cov = gm.meta.get(Coverage.KEY)
     if cov is not None:
         lines.append(f"spatial coverage: {cov.share:.1%} of the forward FLOPs on image tensors "
                      f"run on tiles ({cov.tiled / 1e9:.3g} of {cov.image / 1e9:.3g} GFLOP)")
     lines += [f"  {reason}" for reason in region_ends(gm)]
-    rows = [("stage", "tile", "halos", "received", "minimum", "ratio", "widths of the first "
-             "halo (t b l r)")]
+    image = _input_extent(gm)
+    sides = "f b t b l r" if grid.ndim == 3 else "t b l r"
+    rows = [("stage", "tile", "input block", "halos", "face/edge/corner", "received", "minimum",
+             "ratio", f"widest halo ({sides})")]
     for (stage, t), module in sorted(info.tiles.items()):
         got = need = 0
-        first = ""
+        widest: tuple[int, ...] = ()
+        kinds: dict[str, int] = {}
         halos = [m for m in module.modules()
                  if isinstance(m, (Halo, HaloOp)) and not m.replicated]
         for h in halos:
             ex = h.exchange
             per_cell = _halo_cell_bytes(module, h)
             got += ex.recv_elements() * per_cell
-            image = Rect((0, ex.extent[0]), (0, ex.extent[1]))
-            inside = ex.need.intersect(image)
+            inside = ex.need.intersect(Rect.whole(ex.extent))
             own = inside.intersect(ex.own) if inside is not None else None
-            cells = (_area(inside) - _area(own))
-            need += cells * per_cell
-            first = first or " ".join(map(str, ex.halo_widths()))
+            need += (_area(inside) - _area(own)) * per_cell
+            widest = tuple(max(a, b) for a, b in zip(widest or ex.halo_widths(),
+                                                      ex.halo_widths(), strict=True))
+            for kind, (count, _cells) in ex.pieces_by_kind().items():
+                kinds[kind] = kinds.get(kind, 0) + count
+        block = str(grid.tile_rect(image, t)) if stage == 0 and image is not None else "-"
+        pieces = "/".join(str(kinds.get(k, 0)) for k in ("face", "edge", "corner")[:grid.ndim])
         ratio = f"{got / need:.2f}" if need else "-"
-        rows.append((str(stage), str(t), str(len(halos)), nbytes(got), nbytes(need), ratio,
-                     first))
-    lines += _columns(rows, right={2, 3, 4, 5})
-    lines.append("(bytes per micro-batch forward; the backward sends the same amount back)")
+        rows.append((str(stage), str(t), block, str(len(halos)), pieces, nbytes(got),
+                     nbytes(need), ratio, " ".join(map(str, widest))))
+    lines += _columns(rows, right={3, 5, 6, 7})
+    lines.append("(bytes per micro-batch forward; the backward sends the same amount back; "
+                 "face/edge/corner: received pieces beyond the tile along 1/2/3 dims)")
     return "\n".join(lines)
 
 
+def _input_extent(gm: fx.GraphModule) -> tuple[int, ...] | None:
+    """The spatial sizes of the model's image (or volume) input."""
+    x = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
+    info = meta.find(x, TensorInfo) if x is not None else None
+    if info is None or len(info.shapes) != 1 or len(info.shapes[0]) not in (4, 5):
+        return None
+    return tuple(info.shapes[0][2:])
+
+
 def _area(r: Rect | None) -> int:
-    return 0 if r is None else r.shape[0] * r.shape[1]
+    return 0 if r is None else r.size
 
 
 def _halo_cell_bytes(module: fx.GraphModule, halo: Halo) -> int:

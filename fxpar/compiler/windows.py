@@ -23,17 +23,18 @@ from fxpar.passes.halo import bounding, input_windows
 
 def rank_windows(gm: fx.GraphModule, graph: StageGraph, rank_map: RankMap, grid: Grid | None
                  ) -> tuple[Rect | None, ...] | None:
-    """Per rank, the rows x columns of the model input its stages read (bounding box, halo
-    included, clipped to the image), None for a rank that never reads it; None (nothing
-    recorded) when the model input is not one image batch (N, C, H, W).
+    """Per rank, the box of the model input its stages read (rows x columns, or depth x rows x
+    columns; bounding box, halo included, clipped to the image), None for a rank that never
+    reads it; None (nothing recorded) when the model input is not one image batch (N, C, H, W)
+    or volume batch (N, C, D, H, W).
 
     gm: the whole analysed graph (its first placeholder is the model input); grid: the tile
     grid of a spatial plan."""
     x = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
     info = meta.find(x, TensorInfo) if x is not None else None
-    if info is None or len(info.shapes) != 1 or len(info.shapes[0]) != 4:
+    if info is None or len(info.shapes) != 1 or len(info.shapes[0]) not in (4, 5):
         return None
-    image = Rect((0, info.shapes[0][2]), (0, info.shapes[0][3]))
+    image = Rect.whole(info.shapes[0][2:])
     plan = rank_map.plan
     reads = [{i for i, src in enumerate(ins) if src.source == "batch"} for ins in graph.inputs]
     tiles: dict[int, list[Rect | None]] = {}

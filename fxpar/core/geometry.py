@@ -1,18 +1,21 @@
 """Spatial arithmetic: tiles, the input window each op needs, and who sends what to whom.
 
 Everything here is pure integer arithmetic on global coordinates (rows and columns of the whole
-image at each layer); no tensors, no MPI. DESIGN.md, "Spatial parallelism: the arithmetic":
+image at each layer; depth, rows and columns of a volume: every rule is per dim, so the same
+code serves both); no tensors, no MPI. DESIGN.md, "Spatial parallelism: the arithmetic":
 
 - tile k of an extent O split in P parts is ``[floor(k*O/P), floor((k+1)*O/P))``;
 - a windowed op (kernel k, stride s, padding p, dilation d) computing output rows [o0, o1)
   reads input rows ``[o0*s - p, (o1-1)*s - p + d*(k-1) + 1)``; rows outside [0, extent) are
   padding, filled with the op's pad value by the rank itself;
 - a rank's window is assembled from the intersections with every rank's tile: those are the
-  messages, computed here once, so halos may reach past the immediate neighbour.
+  messages, computed here once, so halos may reach past the immediate neighbour; on a grid
+  split along several dims they include the edge and corner pieces from diagonal tiles.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 Interval = tuple[int, int]  # [start, stop) in global coordinates; stop may pass the extent
@@ -28,49 +31,121 @@ def intersect(a: Interval, b: Interval) -> Interval | None:
     return (lo, hi) if lo < hi else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Rect:
-    """Rows ``h`` x columns ``w`` in global coordinates."""
+    """A box in global coordinates: one interval per spatial dim, in the tensor's order (rows x
+    columns of an image; depth x rows x columns of a volume). ``Rect(rows, cols)``,
+    ``Rect(depth, rows, cols)`` or ``Rect(dims=...)``."""
 
-    h: Interval
-    w: Interval
+    dims: tuple[Interval, ...]
+
+    def __init__(self, *dims: Interval, **kw: tuple[Interval, ...]) -> None:
+        if "dims" in kw:  # the keyword form (how fxpar.io.emit writes a Rect)
+            dims = tuple(kw.pop("dims"))
+        if kw or not dims:
+            raise TypeError(f"Rect takes one interval per dim, got {dims!r} {kw!r}")
+        object.__setattr__(self, "dims", tuple((int(a), int(b)) for a, b in dims))
+
+    @classmethod
+    def whole(cls, extent: tuple[int, ...]) -> Rect:
+        """All of an extent: ``[0, e)`` along each dim."""
+        return cls(*((0, int(e)) for e in extent))
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (self.h[1] - self.h[0], self.w[1] - self.w[0])
+    def ndim(self) -> int:
+        return len(self.dims)
 
-    def intersect(self, other: Rect) -> Rect | None:
-        h, w = intersect(self.h, other.h), intersect(self.w, other.w)
-        return Rect(h, w) if h and w else None
+    @property
+    def h(self) -> Interval:
+        """The rows (the second-to-last dim)."""
+        return self.dims[-2]
 
-    def local(self, inner: Rect) -> tuple[slice, slice]:
-        """Slices selecting ``inner`` (global coords) inside a tensor holding ``self``."""
-        return (slice(inner.h[0] - self.h[0], inner.h[1] - self.h[0]),
-                slice(inner.w[0] - self.w[0], inner.w[1] - self.w[0]))
+    @property
+    def w(self) -> Interval:
+        """The columns (the last dim)."""
+        return self.dims[-1]
 
-    def __str__(self) -> str:
-        return f"rows {self.h[0]}:{self.h[1]} cols {self.w[0]}:{self.w[1]}"
-
-
-@dataclass(frozen=True)
-class Grid:
-    """A rows x cols grid of tiles; tile t sits at row t // cols, column t % cols."""
-
-    rows: int
-    cols: int
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.dims)
 
     @property
     def size(self) -> int:
-        return self.rows * self.cols
+        """Cells in the box."""
+        return math.prod(self.shape)
 
-    def tile_rect(self, extent: tuple[int, int], t: int) -> Rect:
-        """The part of an (H, W) extent that tile ``t`` owns."""
-        return Rect(tile(extent[0], self.rows, t // self.cols),
-                    tile(extent[1], self.cols, t % self.cols))
+    def intersect(self, other: Rect) -> Rect | None:
+        parts = [intersect(a, b) for a, b in zip(self.dims, other.dims, strict=True)]
+        return None if any(p is None for p in parts) else Rect(*parts)  # type: ignore[arg-type]
 
-    def fits(self, extent: tuple[int, int]) -> bool:
+    def local(self, inner: Rect) -> tuple[slice, ...]:
+        """Slices selecting ``inner`` (global coords) inside a tensor holding ``self``."""
+        return tuple(slice(i[0] - o[0], i[1] - o[0])
+                     for i, o in zip(inner.dims, self.dims, strict=True))
+
+    def moved(self, origin: tuple[int, ...]) -> Rect:
+        """This box in coordinates that start at ``origin``."""
+        return Rect(*((a - o, b - o) for (a, b), o in zip(self.dims, origin, strict=True)))
+
+    def __str__(self) -> str:
+        names = DIM_NAMES[-self.ndim:] if self.ndim <= len(DIM_NAMES) else \
+            tuple(f"dim{i}" for i in range(self.ndim))
+        return " ".join(f"{n} {a}:{b}" for n, (a, b) in zip(names, self.dims, strict=True))
+
+    def __repr__(self) -> str:
+        return f"Rect{self.dims!r}" if self.ndim > 1 else f"Rect({self.dims[0]!r})"
+
+
+DIM_NAMES = ("depth", "rows", "cols")
+"""What the spatial dims are called in messages (a volume's three, an image's last two)."""
+
+
+@dataclass(frozen=True, init=False)
+class Grid:
+    """A process grid over the spatial dims: ``parts[i]`` tiles along dim i (``Grid(rows,
+    cols)`` for an image, ``Grid(depth, rows, cols)`` for a volume). Tile t sits at the
+    row-major position of t (the last dim varies fastest)."""
+
+    parts: tuple[int, ...]
+
+    def __init__(self, *parts: int, **kw: tuple[int, ...]) -> None:
+        if "parts" in kw:
+            parts = tuple(kw.pop("parts"))
+        if kw or not parts or any(int(p) < 1 for p in parts):
+            raise TypeError(f"Grid takes one part count >= 1 per dim, got {parts!r} {kw!r}")
+        object.__setattr__(self, "parts", tuple(int(p) for p in parts))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.parts)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.parts)
+
+    def position(self, t: int) -> tuple[int, ...]:
+        """Tile ``t``'s index along each dim."""
+        out = []
+        for p in reversed(self.parts):
+            out.append(t % p)
+            t //= p
+        return tuple(reversed(out))
+
+    def tile_rect(self, extent: tuple[int, ...], t: int) -> Rect:
+        """The part of an extent (one size per spatial dim) that tile ``t`` owns."""
+        if len(extent) != self.ndim:
+            raise ValueError(f"a {self} grid splits {self.ndim} spatial dims; the extent "
+                             f"{tuple(extent)} has {len(extent)}")
+        return Rect(*(tile(e, p, k) for e, p, k in
+                      zip(extent, self.parts, self.position(t), strict=True)))
+
+    def fits(self, extent: tuple[int, ...]) -> bool:
         """True when every tile of ``extent`` is non-empty."""
-        return extent[0] >= self.rows and extent[1] >= self.cols
+        return len(extent) == self.ndim and all(e >= p for e, p in
+                                                zip(extent, self.parts, strict=True))
+
+    def __str__(self) -> str:
+        return "x".join(map(str, self.parts))
 
 
 # -- what each op reads ------------------------------------------------------------------------
@@ -110,7 +185,7 @@ class Exchange:
 
     own: Rect
     need: Rect
-    extent: tuple[int, int]
+    extent: tuple[int, ...]
     sends: tuple[tuple[int, Rect], ...]
     recvs: tuple[tuple[int, Rect], ...]
     fill: float
@@ -120,21 +195,43 @@ class Exchange:
         """The part of ``need`` this rank already holds."""
         return self.own.intersect(self.need)
 
-    def halo_widths(self) -> tuple[int, int, int, int]:
-        """Rows/cols beyond the own tile on each side: (top, bottom, left, right); negative
-        means rows dropped."""
-        return (self.own.h[0] - self.need.h[0], self.need.h[1] - self.own.h[1],
-                self.own.w[0] - self.need.w[0], self.need.w[1] - self.own.w[1])
+    def widths(self) -> tuple[tuple[int, int], ...]:
+        """Per dim, the cells beyond the own tile (before, after); negative means cells
+        dropped."""
+        return tuple((o[0] - n[0], n[1] - o[1])
+                     for o, n in zip(self.own.dims, self.need.dims, strict=True))
+
+    def halo_widths(self) -> tuple[int, ...]:
+        """:meth:`widths` flattened: (top, bottom, left, right) for an image, (front, back,
+        top, bottom, left, right) for a volume."""
+        return tuple(w for pair in self.widths() for w in pair)
 
     def recv_elements(self) -> int:
-        return sum(r.shape[0] * r.shape[1] for _, r in self.recvs)
+        """Cells received (per sample and channel)."""
+        return sum(r.size for _, r in self.recvs)
+
+    def pieces_by_kind(self) -> dict[str, tuple[int, int]]:
+        """The received pieces by what they touch of the own tile: ``face`` (beyond it along
+        one dim), ``edge`` (two), ``corner`` (three): (pieces, cells) of each."""
+        out: dict[str, tuple[int, int]] = {}
+        for _, r in self.recvs:
+            beyond = sum(1 for a, o in zip(r.dims, self.own.dims, strict=True)
+                         if a[1] <= o[0] or a[0] >= o[1])
+            kind = KINDS_BEYOND.get(beyond, f"{beyond}-d corner")
+            n, cells = out.get(kind, (0, 0))
+            out[kind] = (n + 1, cells + r.size)
+        return out
 
 
-def exchange(grid: Grid, extent: tuple[int, int], needs: list[Rect], t: int,
+KINDS_BEYOND = {0: "inside", 1: "face", 2: "edge", 3: "corner"}
+
+
+def exchange(grid: Grid, extent: tuple[int, ...], needs: list[Rect], t: int,
              fill: float = 0.0) -> Exchange:
     """The exchange for tile ``t`` when tile ``u`` needs ``needs[u]`` of a tiled tensor."""
-    image = Rect((0, extent[0]), (0, extent[1]))
+    image = Rect.whole(extent)
     own = grid.tile_rect(extent, t)
+    inside = needs[t].intersect(image)
     sends, recvs = [], []
     for u in range(grid.size):
         if u == t:
@@ -142,17 +239,16 @@ def exchange(grid: Grid, extent: tuple[int, int], needs: list[Rect], t: int,
         part = own.intersect(needs[u])
         if part is not None:
             sends.append((u, part))
-        inside = needs[t].intersect(image)
         theirs = grid.tile_rect(extent, u).intersect(inside) if inside is not None else None
         if theirs is not None:
             recvs.append((u, theirs))
-    return Exchange(own, needs[t], extent, tuple(sends), tuple(recvs), fill)
+    return Exchange(own, needs[t], tuple(extent), tuple(sends), tuple(recvs), fill)
 
 
 def avg_counts(n: int, n_out: int, k: int, s: int, p: int,
                count_include_pad: bool) -> list[int]:
     """Per output position along one dim, the divisor factor PyTorch's avg_pool uses (the 2-D
-    divisor is the product of the two dims' factors)."""
+    divisor is the product of the dims' factors)."""
     out = []
     for o in range(n_out):
         start = o * s - p

@@ -49,7 +49,7 @@ def max_p2p_tag(copies: int, microbatches: int, transfers: int) -> int:
 
 
 def _rect(grid: Grid, t: Transfer, tile: int) -> Rect:
-    return grid.tile_rect((t.shape[2], t.shape[3]), tile)
+    return grid.tile_rect(tuple(t.shape[2:]), tile)
 
 
 def _tile_shape(grid: Grid, t: Transfer, tile: int) -> tuple[int, ...]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 SCHEDULES = ("gpipe", "1f1b")
-SLICES = ("vertical", "horizontal", "square")
+SLICES = ("vertical", "horizontal", "square", "slab", "pencil", "cube")
 
 
 class PlanError(ValueError):
@@ -53,10 +53,16 @@ class Plan:
     spatial_parts: int = 1
     """Tiles each spatial stage's image is cut into, one rank each; 1 means no spatial
     parallelism. [--num-spatial-parts]"""
-    slice: Literal["vertical", "horizontal", "square"] = "square"
-    """How tiles cut the image: "vertical" strips (split W), "horizontal" strips (split H), or
-    a "square" grid of rows x cols = spatial_parts, as close to square as possible.
-    [--slice-method]"""
+    slice: Literal["vertical", "horizontal", "square", "slab", "pencil", "cube"] = "square"
+    """How tiles cut the image (or volume): "vertical" strips (split W), "horizontal" strips
+    (split H), a "square" grid of rows x cols = spatial_parts as close to square as possible;
+    for volumes also "slab" (split the depth D), "pencil" (D x H, as square as possible) and
+    "cube" (D x H x W, as even as possible). On an image "slab" is "horizontal", and "pencil"
+    and "cube" are "square". [--slice-method]"""
+    grid: tuple[int, ...] | None = None
+    """An explicit process grid instead of ``slice``: tiles per spatial dim, e.g. (2, 2, 2)
+    for a volume (D, H, W) or (2, 4) for an image (H, W); spatial_parts is their product
+    (give it or leave it at 1)."""
     spatial_stages: int = 1
     """How many leading stages run spatially (used only when spatial_parts > 1).
     [--spatial-size]"""
@@ -80,6 +86,15 @@ class Plan:
                                 f"stage (e.g. balance=(40, 29) for stages=2), got "
                                 f"{self.balance!r}")
             object.__setattr__(self, "balance", tuple(self.balance))
+        if self.grid is not None:
+            if isinstance(self.grid, (str, bytes)) or not hasattr(self.grid, "__iter__"):
+                raise PlanError(f"Plan.grid must be a sequence of tile counts, one per "
+                                f"spatial dim (e.g. grid=(2, 2, 2) for D x H x W), got "
+                                f"{self.grid!r}")
+            object.__setattr__(self, "grid", tuple(self.grid))
+            if self.spatial_parts == 1 and all(isinstance(g, int) and g >= 1
+                                               for g in self.grid):
+                object.__setattr__(self, "spatial_parts", math.prod(self.grid))
         for problem in self.problems():
             raise PlanError(problem)
 
@@ -87,8 +102,9 @@ class Plan:
         """The fields as JSON values (``balance`` a list), as program.json, checkpoints and
         metrics files record them; ``Plan(**d)`` reads them back."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        if d["balance"] is not None:
-            d["balance"] = list(d["balance"])
+        for name in ("balance", "grid"):
+            if d[name] is not None:
+                d[name] = list(d[name])
         return d
 
     def problems(self) -> list[str]:
@@ -119,6 +135,15 @@ class Plan:
                 f"set spatial_stages <= stages (the spatial stages are the leading ones)")
         if ok and self.gems_times > 1 and not self.gems:
             out.append("Plan.gems_times > 1 needs gems=True (it counts rounds of each GEMS copy)")
+        if self.grid is not None:
+            if not self.grid or len(self.grid) > 3 or any(
+                    isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in self.grid):
+                out.append(f"Plan.grid must hold 1 to 3 integers >= 1, one per spatial dim "
+                           f"(e.g. (2, 2, 2) for D x H x W), got {self.grid!r}")
+            elif ok and math.prod(self.grid) != self.spatial_parts:
+                out.append(f"Plan.grid={self.grid} makes {math.prod(self.grid)} tiles but "
+                           f"spatial_parts={self.spatial_parts}: give one of them, or make "
+                           f"spatial_parts the product of the grid")
         if self.balance is not None:
             if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.balance):
                 out.append(f"Plan.balance entries must be integers >= 1, got {self.balance!r}")
@@ -138,15 +163,25 @@ class Plan:
         """Model copies per layout: 2 with GEMS, else 1."""
         return 2 if self.gems else 1
 
-    def tile_grid(self) -> tuple[int, int]:
-        """(rows, cols) of the tile grid: how many parts H and W are cut into."""
+    def tile_grid(self, ndim: int = 2) -> tuple[int, ...]:
+        """Tiles along each of ``ndim`` spatial dims ((rows, cols) for an image, (depth, rows,
+        cols) for a volume): how many parts each dim is cut into. Raises PlanError when an
+        explicit ``grid`` has another number of dims."""
         p = self.spatial_parts
-        if self.slice == "horizontal":
-            return (p, 1)
-        if self.slice == "vertical":
-            return (1, p)
-        rows = max(d for d in range(1, math.isqrt(p) + 1) if p % d == 0)
-        return (rows, p // rows)
+        if self.grid is not None:
+            if len(self.grid) != ndim:
+                kind = {2: "an image (H, W)", 3: "a volume (D, H, W)"}.get(ndim, f"{ndim} dims")
+                raise PlanError(f"Plan.grid={self.grid} has {len(self.grid)} dims but the "
+                                f"input is {kind}: give one tile count per spatial dim")
+            return self.grid
+        split = {"horizontal": (ndim - 2,), "vertical": (ndim - 1,), "square": (ndim - 2,
+                                                                               ndim - 1),
+                 "slab": (0,), "pencil": (0, 1),
+                 "cube": tuple(range(ndim))}[self.slice]
+        out = [1] * ndim
+        for d, n in zip(split, balanced(p, len(split)), strict=True):
+            out[d] = n
+        return tuple(out)
 
     def group_size(self, stage: int) -> int:
         """Ranks that run one copy of ``stage``: the tiles of a spatial stage, else 1."""
@@ -176,6 +211,18 @@ class Plan:
                 f"batch size {batch_size} does not split into {n} equal chunks "
                 f"({' x '.join(parts)}): use a batch size that is a multiple of {n}, "
                 f"or change those fields")
+
+
+def balanced(p: int, n: int) -> tuple[int, ...]:
+    """``p`` as a product of ``n`` factors, as even as possible (the smallest sum: least halo
+    surface on an even extent), ascending: (1, 2) for 2 in 2 dims, (2, 2, 2) for 8 in 3,
+    (1, 2, 2) for 4 in 3."""
+    def splits(p: int, n: int) -> list[tuple[int, ...]]:
+        if n == 1:
+            return [(p,)]
+        return [(d, *rest) for d in range(1, p + 1) if p % d == 0 for rest in splits(p // d,
+                                                                                    n - 1)]
+    return min((tuple(sorted(f)) for f in splits(p, n)), key=lambda f: (sum(f), f))
 
 
 @dataclass(frozen=True)

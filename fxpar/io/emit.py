@@ -328,7 +328,7 @@ def program_json(program: Program) -> dict[str, Any]:
                        "dtype": str(t.dtype).removeprefix("torch."), "tiled": t.tiled}
                       for t in g.transfers],
         "spatial": None if info is None else {
-            "grid": [info.grid.rows, info.grid.cols], "spatial_stages": info.spatial_stages,
+            "grid": list(info.grid.parts), "spatial_stages": info.spatial_stages,
             "out_tiled": info.out_tiled, "out_extent": list(info.out_extent)},
         "ranks": [{"rank": r, "folder": rank_folder(r), "roles": _roles(program, r)}
                   for r in range(program.world_size)],
@@ -341,7 +341,7 @@ def _windows(program: Program) -> list[list[list[int]] | None] | None:
     it reads none); None when the program records no windows."""
     if program.input_windows is None:
         return None
-    return [None if w is None else [list(w.h), list(w.w)] for w in program.input_windows]
+    return [None if w is None else [list(iv) for iv in w.dims] for w in program.input_windows]
 
 
 def _input_shape(program: Program) -> list[int] | None:
@@ -376,7 +376,7 @@ def _header(program: Program, rank: int, copy: int, stage: int) -> str:
     where = f"rank {rank} of {program.world_size}: model copy {copy}, stage {stage}"
     if program.spatial is not None and stage < program.spatial.spatial_stages:
         g = program.spatial.grid
-        where += f", tile {role.tile} of a {g.rows}x{g.cols} grid"
+        where += f", tile {role.tile} of a {g} grid"
     return f"fxpar stage module: {where}."
 
 

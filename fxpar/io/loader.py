@@ -122,8 +122,7 @@ def _windows(info: dict[str, Any]) -> tuple[Rect | None, ...] | None:
     windows = info.get("input_windows")
     if windows is None:
         return None
-    return tuple(None if w is None else Rect(tuple(w[0]), tuple(w[1]))  # type: ignore[arg-type]
-                 for w in windows)
+    return tuple(None if w is None else Rect(*(tuple(iv) for iv in w)) for w in windows)
 
 
 def _spatial(info: dict[str, Any]) -> SpatialInfo | None:

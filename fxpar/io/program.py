@@ -54,7 +54,7 @@ class SpatialInfo:
     grid: Grid
     spatial_stages: int
     out_tiled: bool
-    out_extent: tuple[int, int]
+    out_extent: tuple[int, ...]
     _cache: dict[tuple[int, int], fx.GraphModule] = field(default_factory=dict)
 
     def tile(self, stage: int, tile: int) -> fx.GraphModule:
@@ -381,13 +381,15 @@ class RankProgram:
             raise ValueError(f"rank {self.rank} holds the last stage, which computes the loss: "
                              f"pass the targets y")
 
-    def input_window(self, image: tuple[int, int] | None = None) -> Rect | None:
-        """The rows x columns of the model input this rank's stages read (bounding box, halo
-        included, clipped to the image); None when they never read the input. A data loader
-        need read only this part of each image (see fxpar.io.data).
+    def input_window(self, image: tuple[int, ...] | None = None) -> Rect | None:
+        """The box of the model input this rank's stages read (rows x columns, or depth x rows
+        x columns; bounding box, halo included, clipped to the image); None when they never
+        read the input. A data loader need read only this part of each image (see
+        fxpar.io.data).
 
-        image: the input's (H, W), used only when the program records no windows
-        (``Program.input_windows`` is None): then a rank that reads the input reads all of it."""
+        image: the input's spatial sizes ((H, W) or (D, H, W)), used only when the program
+        records no windows (``Program.input_windows`` is None): then a rank that reads the
+        input reads all of it."""
         from fxpar.io.data import input_window
 
         return input_window(self, image)

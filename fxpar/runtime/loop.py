@@ -24,6 +24,7 @@ spatial stage's F/B run in the stage module (runtime.spatial.ops), so they count
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -65,12 +66,12 @@ class Tiling:
     spatial_stages: int
     out_tiled: bool
     """The model output is tiled (a loss on tiles) rather than replicated."""
-    out_extent: tuple[int, int]
+    out_extent: tuple[int, ...]
 
     def spatial(self, stage: int) -> bool:
         return stage < self.spatial_stages
 
-    def rect(self, extent: tuple[int, int], tile: int) -> Rect:
+    def rect(self, extent: tuple[int, ...], tile: int) -> Rect:
         return self.grid.tile_rect(extent, tile)
 
 
@@ -214,9 +215,8 @@ class Runtime:
             whole = received.setdefault(p.transfer.id, torch.empty(p.transfer.shape,
                                                                    dtype=p.transfer.dtype,
                                                                    device=self.device))
-            full = Rect((0, whole.shape[2]), (0, whole.shape[3]))
-            hs, ws = full.local(p.rect)
-            whole[:, :, hs, ws] = p.buf
+            full = Rect.whole(whole.shape[2:])
+            whole[(slice(None), slice(None), *full.local(p.rect))] = p.buf
         ins: list[torch.Tensor] = []
         for src in self.graph.inputs[a.stage]:
             if src.source == "batch":
@@ -290,14 +290,14 @@ class Runtime:
         if not tl.out_tiled:
             return 1.0 / tl.grid.size
         r = tl.rect(tl.out_extent, self._my_tile(a))
-        return (r.shape[0] * r.shape[1]) / (tl.out_extent[0] * tl.out_extent[1])
+        return r.size / math.prod(tl.out_extent)
 
     def _target(self, a: Action, y: Any) -> Any:
         tl = self.tiling
         if tl is None or not tl.spatial(a.stage) or not tl.out_tiled:
             return y
         r = tl.rect(tl.out_extent, self._my_tile(a))
-        return y[..., r.h[0]:r.h[1], r.w[0]:r.w[1]]
+        return y[(..., *(slice(*iv) for iv in r.dims))]
 
     def _kind(self, t: Transfer) -> str:
         """p2p, tile, gather or replicated (fxpar.core.messages.transfer_kind)."""
@@ -350,9 +350,8 @@ class Runtime:
                 if t.id not in wholes:
                     wholes[t.id] = torch.zeros(t.shape, dtype=t.dtype, device=self.device) \
                         if g is None else g
-                full = Rect((0, t.shape[2]), (0, t.shape[3]))
-                hs, ws = full.local(m.rect)
-                g = wholes[t.id][:, :, hs, ws]
+                full = Rect.whole(t.shape[2:])
+                g = wholes[t.id][(slice(None), slice(None), *full.local(m.rect))]
             elif g is None:
                 g = torch.zeros(m.shape, dtype=t.dtype, device=self.device)
             st.sends.append(comm.isend(g, self.peer(a.copy, m.stage, m.tile), m.tag))

@@ -66,11 +66,12 @@ def arg(n: fx.Node, i: int, default: Any) -> Any:
     return default
 
 
-def _pair(v: Any) -> tuple[int, int]:
+def _ntuple(v: Any, n: int) -> tuple[int, ...]:
+    """A per-dim argument (an int, or a list of 1 or ``n`` ints) as ``n`` ints."""
     if isinstance(v, int):
-        return (v, v)
-    v = list(v)
-    return (int(v[0]), int(v[-1])) if len(v) in (1, 2) else (int(v[-2]), int(v[-1]))
+        return (v,) * n
+    v = [int(u) for u in v]
+    return tuple(v) * n if len(v) == 1 else tuple(v[-n:])
 
 
 def _shape(n: Any) -> tuple[int, ...] | None:
@@ -96,45 +97,57 @@ def classify_aten(n: fx.Node) -> Op | None:
     if packet in POINTWISE:
         return Pointwise()
     if packet is aten.cat:
-        return Pointwise() if arg(n, 1, 0) in (0, 1, -3, -4) else None
+        out = _shape(n)
+        rank = len(out) if out is not None else 4
+        return Pointwise() if arg(n, 1, 0) % rank in (0, 1) else None
+    if packet is aten.slice and _spatial_slice(n):
+        return _crop(n)
     if packet in CHANNEL_SPLITS or packet in CHANNEL_SLICES:
         x = _shape(n.args[0])
         dim = arg(n, CHANNEL_SLICES.get(packet, 2), 0)
-        return Pointwise() if x is not None and len(x) == 4 and dim % 4 in (0, 1) else None
+        return Pointwise() if x is not None and len(x) in (4, 5) and dim % len(x) in (0, 1) \
+            else None
     if packet is aten.expand_as:  # a broadcast value (ECA's N x C x 1 x 1) to the image
         return Pointwise()
     if packet in REDUCTIONS:
         return _reduction(n, REDUCTIONS[packet])
-    if packet is aten.conv2d:
+    if packet in (aten.conv2d, aten.conv3d):
         padding = arg(n, 4, 0)
         if isinstance(padding, str):
             return None
         w = _shape(n.args[1])
         assert w is not None
-        return Window("conv", (w[2], w[3]), _pair(arg(n, 3, 1)), _pair(padding),
-                      _pair(arg(n, 5, 1)))
+        nd = len(w) - 2
+        return Window("conv", tuple(w[2:]), _ntuple(arg(n, 3, 1), nd), _ntuple(padding, nd),
+                      _ntuple(arg(n, 5, 1), nd))
     if packet is aten.convolution:
         return _convolution(n)
-    if packet is aten.conv_transpose2d:
+    if packet in (aten.conv_transpose2d, aten.conv_transpose3d):
         w = _shape(n.args[1])
         assert w is not None
-        return _transposed((w[2], w[3]), _pair(arg(n, 3, 1)), _pair(arg(n, 4, 0)),
-                           _pair(arg(n, 5, 0)), _pair(arg(n, 7, 1)))
-    if packet is aten.max_pool2d:
-        k, s = _pair(arg(n, 1, None)), arg(n, 2, None)
-        return Window("maxpool", k, _pair(s) if s else k,
-                      _pair(arg(n, 3, 0)), _pair(arg(n, 4, 1)), fill=-math.inf,
+        nd = len(w) - 2
+        return _transposed(tuple(w[2:]), _ntuple(arg(n, 3, 1), nd), _ntuple(arg(n, 4, 0), nd),
+                           _ntuple(arg(n, 5, 0), nd), _ntuple(arg(n, 7, 1), nd))
+    if packet in (aten.max_pool2d, aten.max_pool3d):
+        nd = 2 if packet is aten.max_pool2d else 3
+        k, s = _ntuple(arg(n, 1, None), nd), arg(n, 2, None)
+        return Window("maxpool", k, _ntuple(s, nd) if s else k,
+                      _ntuple(arg(n, 3, 0), nd), _ntuple(arg(n, 4, 1), nd), fill=-math.inf,
                       attrs=(("ceil_mode", bool(arg(n, 5, False))),))
-    if packet is aten.avg_pool2d:
-        k, s = _pair(arg(n, 1, None)), arg(n, 2, None)
-        return Window("avgpool", k, _pair(s) if s else k,
-                      _pair(arg(n, 3, 0)),
+    if packet in (aten.avg_pool2d, aten.avg_pool3d):
+        nd = 2 if packet is aten.avg_pool2d else 3
+        k, s = _ntuple(arg(n, 1, None), nd), arg(n, 2, None)
+        return Window("avgpool", k, _ntuple(s, nd) if s else k,
+                      _ntuple(arg(n, 3, 0), nd), (1,) * nd,
                       attrs=(("ceil_mode", bool(arg(n, 4, False))),
                              ("count_include_pad", bool(arg(n, 5, True))),
                              ("divisor_override", arg(n, 6, None))))
     if packet in (aten.constant_pad_nd, aten.pad):
         return _pad(n)
-    if packet in (aten.upsample_nearest2d, aten.upsample_bilinear2d):
+    if packet in (aten.reflection_pad2d, aten.reflection_pad3d, aten.replication_pad2d,
+                  aten.replication_pad3d):
+        return _pad(n)
+    if packet in UPSAMPLES:
         return _upsample(n)
     if packet is aten.group_norm:
         return Norm(int(arg(n, 1, 1)), float(arg(n, 4, 1e-5)), 2, 3)
@@ -143,9 +156,20 @@ def classify_aten(n: fx.Node) -> Op | None:
         if x is None or arg(n, 3, None) is not None or not arg(n, 5, True):
             return None  # running statistics: mode-dependent, not handled on tiles
         return Norm(x[1], float(arg(n, 7, 1e-5)), 1, 2)
-    if packet is aten.adaptive_avg_pool2d:
+    if packet in (aten.adaptive_avg_pool2d, aten.adaptive_avg_pool3d):
         return _adaptive(n)
     return None
+
+
+UPSAMPLES = {aten.upsample_nearest2d: ("nearest", 2), aten.upsample_bilinear2d: ("bilinear", 2),
+             aten.upsample_nearest3d: ("nearest", 3),
+             aten.upsample_trilinear3d: ("bilinear", 3)}
+"""Interpolations on tiles: mode (trilinear is bilinear along each of three dims) and dims."""
+
+
+def _spatial_slice(n: fx.Node) -> bool:
+    x = _shape(n.args[0])
+    return x is not None and len(x) in (4, 5) and arg(n, 1, 0) % len(x) >= 2
 
 
 def _reduction(n: fx.Node, kind: str) -> Op | None:
@@ -153,93 +177,123 @@ def _reduction(n: fx.Node, kind: str) -> Op | None:
     over the channel dim with ``keepdim`` per pixel; anything else is not tiled."""
     x = _shape(n.args[0])
     dims = arg(n, 1, None)
-    if x is None or len(x) != 4 or dims is None or n.target in (aten.sum.default,
-                                                                  aten.mean.default):
+    if x is None or len(x) not in (4, 5) or dims is None or n.target in (aten.sum.default,
+                                                                           aten.mean.default):
         return None  # a reduction over everything
-    dims = sorted(d % 4 for d in ([dims] if isinstance(dims, int) else dims))
+    dims = sorted(d % len(x) for d in ([dims] if isinstance(dims, int) else dims))
     keepdim = bool(arg(n, 2, False))
     if arg(n, 3, None) is not None:
         return None  # a dtype argument: not handled
-    if dims == [2, 3]:
-        return Reduce(kind, keepdim)
+    if dims == list(range(2, len(x))):
+        return Reduce(kind, keepdim, (1,) * (len(x) - 2))
     return Pointwise() if dims == [1] and keepdim else None
 
 
 def _convolution(n: fx.Node) -> Op | None:
     w = _shape(n.args[1])
     assert w is not None
-    if len(w) != 4:
+    if len(w) not in (4, 5):
         return None
-    stride, padding, dilation = (_pair(arg(n, i, 1 if i != 4 else 0)) for i in (3, 4, 5))
+    nd = len(w) - 2
+    stride, padding, dilation = (_ntuple(arg(n, i, 1 if i != 4 else 0), nd) for i in (3, 4, 5))
     if not arg(n, 6, False):
-        return Window("conv", (w[2], w[3]), stride, padding, dilation)
-    return _transposed((w[2], w[3]), stride, padding, _pair(arg(n, 7, 0)), dilation)
+        return Window("conv", tuple(w[2:]), stride, padding, dilation)
+    return _transposed(tuple(w[2:]), stride, padding, _ntuple(arg(n, 7, 0), nd), dilation)
 
 
-def _transposed(k: tuple[int, int], s: tuple[int, int], p: tuple[int, int],
-                output_padding: tuple[int, int], d: tuple[int, int]) -> Op | None:
-    if any(d[i] * (k[i] - 1) < s[i] - 1 for i in range(2)):
+def _transposed(k: tuple[int, ...], s: tuple[int, ...], p: tuple[int, ...],
+                output_padding: tuple[int, ...], d: tuple[int, ...]) -> Op | None:
+    if any(d[i] * (k[i] - 1) < s[i] - 1 for i in range(len(k))):
         return None  # output rows no tap reaches: not handled
     # output_padding only lengthens the output; its rows read the zero fill past the border
     return Window("convT", k, s, p, d, attrs=(("output_padding", output_padding),))
 
 
+PAD_MODES = {aten.reflection_pad2d: "reflect", aten.reflection_pad3d: "reflect",
+             aten.replication_pad2d: "replicate", aten.replication_pad3d: "replicate"}
+
+
 def _pad(n: fx.Node) -> Op | None:
-    mode = arg(n, 2, "constant") if n.target.overloadpacket is aten.pad else "constant"
-    pad = list(arg(n, 1, []))
+    """Padding (``F.pad``'s list: last dim first, (before, after) pairs; negative crops)."""
+    packet = n.target.overloadpacket
+    mode = PAD_MODES.get(packet) or (arg(n, 2, "constant") if packet is aten.pad
+                                     else "constant")
+    pad = [int(v) for v in arg(n, 1, [])]
+    x, out = _shape(n.args[0]), _shape(n)
     if not any(pad):
         return Pointwise()  # padding by nothing (MONAI's UpCat when the sizes already match)
-    left, right, top, bottom = (pad + [0, 0, 0, 0])[:4]
-    if len(pad) > 4:  # the channel (or batch) dims too: per pixel if H and W are not padded
-        plain = mode == "constant" and not any(pad[:4]) and len(pad) <= 8
+    if x is None or out is None or len(x) not in (4, 5):
+        return None
+    nd = len(x) - 2
+    pairs = [(pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)]  # last dim first
+    spatial = (pairs + [(0, 0)] * nd)[:nd][::-1]  # (before, after) per spatial dim, in order
+    if len(pairs) > nd:  # the channel (or batch) dims too: per pixel if no spatial dim is
+        plain = mode == "constant" and not any(v for pr in pairs[:nd] for v in pr)
         return Pointwise() if plain else None
+    before = tuple(b for b, _ in spatial)
     if mode in PADS:  # an index map per dim (fxpar.runtime.spatial.interp): border tiles pad
-        x, out = _shape(n.args[0]), _shape(n)
-        if x is None or out is None or len(x) != 4:
-            return None
-        maps = tuple(AxisMap(mode, False, x[i], out[i], None, before)
-                     for i, before in ((2, top), (3, left)))
-        return Window("interp", (1, 1), (1, 1), (0, 0), attrs=(("maps", maps),))
+        maps = tuple(AxisMap(mode, False, x[2 + i], out[2 + i], None, before[i])
+                     for i in range(nd))
+        return Window("interp", (1,) * nd, (1,) * nd, (0,) * nd, attrs=(("maps", maps),))
     if mode != "constant":
         return None  # circular: a tile at one border would read the other
-    value = arg(n, 3 if n.target.overloadpacket is aten.pad else 2, 0.0)
-    return Window("pad", (1, 1), (1, 1), (top, left), fill=float(value or 0.0),
-                  attrs=(("pad", (left, right, top, bottom)),))
+    value = arg(n, 3 if packet is aten.pad else 2, 0.0)
+    return Window("pad", (1,) * nd, (1,) * nd, before, fill=float(value or 0.0),
+                  attrs=(("pad", tuple(pad)),))
+
+
+def _crop(n: fx.Node) -> Op | None:
+    """``x[..., a:b, ...]`` along one spatial dim with step 1 (a U-Net's centre crop of its
+    skip connection): output cell o reads input cell ``o + a``, a window op like padding by
+    ``-a`` (nothing is ever read past the border)."""
+    x, out = _shape(n.args[0]), _shape(n)
+    if x is None or out is None or len(x) not in (4, 5):
+        return None
+    dim = arg(n, 1, 0) % len(x)
+    if dim < 2 or arg(n, 4, 1) != 1:
+        return None
+    start = arg(n, 2, None) or 0
+    start = start + x[dim] if start < 0 else min(start, x[dim])
+    nd = len(x) - 2
+    before = tuple(-start if 2 + i == dim else 0 for i in range(nd))
+    return Window("pad", (1,) * nd, (1,) * nd, before, attrs=(("crop", dim),))
 
 
 def _adaptive(n: fx.Node) -> Op | None:
-    """Adaptive average pooling: to 1x1 a global mean; to a size that divides the input an
+    """Adaptive average pooling: to 1x1(x1) a global mean; to a size that divides the input an
     average pool with kernel = stride = input / output (the same bins, tiled); else its bins
     overlap and vary in size: summed from the tiles into a replicated output."""
-    out, x = _pair(arg(n, 1, None)), _shape(n.args[0])
-    if out == (1, 1):
-        return Reduce("mean")
-    if x is None or len(x) != 4:
+    x = _shape(n.args[0])
+    if x is None or len(x) not in (4, 5):
         return None
+    nd = len(x) - 2
+    out = _ntuple(arg(n, 1, None), nd)
+    if out == (1,) * nd:
+        return Reduce("mean", True, out)
     if any(e % o for e, o in zip(x[2:], out, strict=True)):
         return Reduce("bins", True, out)  # overlapping bins of varying size: replicated
-    k = (x[2] // out[0], x[3] // out[1])
-    return Window("avgpool", k, k, (0, 0), attrs=(("ceil_mode", False),
-                                                  ("count_include_pad", True),
-                                                  ("divisor_override", None)))
+    k = tuple(e // o for e, o in zip(x[2:], out, strict=True))
+    return Window("avgpool", k, k, (0,) * nd, (1,) * nd,
+                  attrs=(("ceil_mode", False), ("count_include_pad", True),
+                         ("divisor_override", None)))
 
 
 def _upsample(n: fx.Node) -> Op | None:
     x, out = _shape(n.args[0]), _shape(n)
-    if x is None or out is None or len(x) != 4:
+    mode, nd = UPSAMPLES[n.target.overloadpacket]
+    if x is None or out is None or len(x) != nd + 2:
         return None
-    bilinear = n.target.overloadpacket is aten.upsample_bilinear2d
-    mode = "bilinear" if bilinear else "nearest"
-    corners = bool(arg(n, 2, False)) if bilinear else False
-    if n.target in (aten.upsample_bilinear2d.vec, aten.upsample_nearest2d.vec):
-        scales = arg(n, 3 if bilinear else 2, None)
-        scales = list(scales) if scales is not None else [None, None]
-    else:  # .default: separate scales_h, scales_w
-        first = 3 if bilinear else 2
-        scales = [arg(n, first, None), arg(n, first + 1, None)]
-    maps = tuple(AxisMap(mode, corners, x[i], out[i], None if f is None else float(f))
-                 for i, f in zip((2, 3), scales, strict=True))
-    return Window("interp", (1, 1), (1, 1), (0, 0), attrs=(("maps", maps),))
+    linear = mode == "bilinear"
+    corners = bool(arg(n, 2, False)) if linear else False
+    first = 3 if linear else 2
+    if n.target.overloadpacket in UPSAMPLES and n.target._overloadname == "vec":
+        scales = arg(n, first, None)
+        scales = list(scales) if scales is not None else [None] * nd
+    else:  # .default: separate scales per dim
+        scales = [arg(n, first + i, None) for i in range(nd)]
+    maps = tuple(AxisMap(mode, corners, x[2 + i], out[2 + i], None if f is None else float(f))
+                 for i, f in enumerate(scales))
+    return Window("interp", (1,) * nd, (1,) * nd, (0,) * nd, attrs=(("maps", maps),))
 
 
 def why_not_aten(n: fx.Node) -> str:
@@ -247,24 +301,29 @@ def why_not_aten(n: fx.Node) -> str:
     f = n.target
     name = str(getattr(f, "overloadpacket", f)).removeprefix("aten.")
     if name == "cat":
-        return ("it concatenates along H or W (dim 2/3): tiles can only be concatenated along "
-                "the batch or channel dims")
+        return ("it concatenates along a spatial dim (D, H or W): tiles can only be "
+                "concatenated along the batch or channel dims")
     if name in ("conv2d", "convolution") and isinstance(arg(n, 4, 0), str):
         return "padding given as a string ('same'): give the padding as numbers"
     if name == "instance_norm":
         return ("instance norm with running statistics (track_running_stats=True) is not "
                 "tiled; without them it is")
-    if name == "adaptive_max_pool2d":
+    if name in ("adaptive_max_pool2d", "adaptive_max_pool3d"):
         return ("adaptive max pooling is not tiled (adaptive average pooling to any size and "
                 "amax over H and W are)")
     if name in ("sum", "mean", "amax"):
-        return ("only reductions over exactly H and W (dims 2, 3), or over the channel dim "
-                "with keepdim=True, run on tiles")
-    if name in ("pad", "constant_pad_nd", "reflection_pad2d", "replication_pad2d"):
-        return ("only constant, reflect and replicate padding of H and W run on tiles "
+        return ("only reductions over exactly the spatial dims (H and W, or D, H and W), or "
+                "over the channel dim with keepdim=True, run on tiles")
+    if name in ("pad", "constant_pad_nd") or name.startswith(("reflection_pad",
+                                                                "replication_pad")):
+        return ("only constant, reflect and replicate padding of the spatial dims run on tiles "
                 "(circular padding would make a border tile read the opposite border)")
     if name.startswith("upsample"):
-        return "only nearest and bilinear interpolation of H and W run on tiles"
+        return ("only nearest, bilinear and trilinear interpolation of the spatial dims run "
+                "on tiles")
+    if name == "slice":
+        return ("only slices with step 1 of a spatial dim (crops) or of the batch / channel "
+                "dims run on tiles")
     if name in ("view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",
                 "linear", "matmul", "bmm", "slice", "select", "split", "expand", "unfold"):
         return f"aten.{name} changes or indexes the H/W layout; fxpar only tiles known ops"

@@ -28,16 +28,27 @@ class Window:
     """A windowed op. ``kind``: conv, maxpool, avgpool, pad (constant), convT, interp (any
     interpolation, reflect / replicate padding: its index map per dim is ``attr("maps")``).
 
-    Per dim (0 = H, 1 = W): kernel k, stride s, padding p (the leading side), dilation d.
+    Per spatial dim (H, W of an image; D, H, W of a volume): kernel k, stride s, padding p (the
+    leading side), dilation d.
     """
 
     kind: str
-    k: tuple[int, int]
-    s: tuple[int, int]
-    p: tuple[int, int]
-    d: tuple[int, int] = (1, 1)
+    k: tuple[int, ...]
+    s: tuple[int, ...]
+    p: tuple[int, ...]
+    d: tuple[int, ...] = ()
+    """Dilation; empty means 1 along every dim."""
     fill: float = 0.0
     attrs: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.d:
+            object.__setattr__(self, "d", (1,) * len(self.k))
+
+    @property
+    def ndim(self) -> int:
+        """Spatial dims the op works over."""
+        return len(self.k)
 
     def attr(self, name: str, default: Any = None) -> Any:
         return dict(self.attrs).get(name, default)
@@ -61,13 +72,13 @@ class BatchNorm:
 
 @dataclass(frozen=True)
 class Reduce:
-    """A reduction over H and W of the whole image (runtime.spatial.reduce): ``sum``, ``mean``
-    (global average pooling), ``amax`` or ``bins`` (adaptive average pooling to ``out``); the
-    result is replicated."""
+    """A reduction over the spatial dims of the whole image or volume (runtime.spatial.reduce):
+    ``sum``, ``mean`` (global average pooling), ``amax`` or ``bins`` (adaptive average pooling
+    to ``out``); the result is replicated."""
 
     kind: str
     keepdim: bool = True
-    out: tuple[int, int] = (1, 1)
+    out: tuple[int, ...] = (1, 1)
 
 
 @dataclass(frozen=True)

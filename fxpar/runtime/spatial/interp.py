@@ -1,5 +1,5 @@
-"""Nearest and bilinear interpolation on tiles (any scale, a target size, both align_corners),
-and reflect / replicate padding, as index maps.
+"""Nearest, bilinear and trilinear interpolation on tiles (any scale, a target size, both
+align_corners), and reflect / replicate padding, as index maps (one per spatial dim).
 
 Interpolation is a separable index map: output row o reads input rows ``i0(o)`` and ``i1(o)``
 with weights ``1 - l(o)`` and ``l(o)`` (nearest: one row, weight 1). The map is the one
@@ -97,16 +97,23 @@ class AxisMap:
 
 
 class TileInterp(nn.Module):
-    """This tile's output rows/cols of an interpolation, from a window of the input that
-    starts at global row ``start[0]`` and column ``start[1]``."""
+    """This tile's output cells of an interpolation (or reflect / replicate padding): along
+    each spatial dim i the output interval ``out[i]``, from a window of the input that starts
+    at global index ``start[i]``. One gather (and blend) per dim: trilinear is bilinear with
+    one more dim."""
 
-    def __init__(self, maps: tuple[AxisMap, AxisMap], rows: Interval, cols: Interval,
-                 start: tuple[int, int]) -> None:
+    def __init__(self, maps: tuple[AxisMap, ...], out: tuple[Interval, ...],
+                 start: tuple[int, ...]) -> None:
         super().__init__()
-        self.maps, self.rows, self.cols, self.start = maps, rows, cols, start
+        if not len(maps) == len(out) == len(start):
+            raise ValueError(f"TileInterp: one map, interval and start per dim, got "
+                             f"{len(maps)}, {len(out)}, {len(start)}")
+        self.maps = tuple(maps)
+        self.out = tuple(tuple(iv) for iv in out)
+        self.start = tuple(start)
 
     def emit_args(self) -> dict[str, Any]:
-        return {"maps": self.maps, "rows": self.rows, "cols": self.cols, "start": self.start}
+        return {"maps": self.maps, "out": self.out, "start": self.start}
 
     def _gather(self, x: torch.Tensor, dim: int, m: AxisMap, out: Interval,
                 start: int) -> torch.Tensor:
@@ -121,12 +128,13 @@ class TileInterp(nn.Module):
         return a * (1 - lam) + b * lam
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._gather(x, 2, self.maps[0], self.rows, self.start[0])
-        return self._gather(y, 3, self.maps[1], self.cols, self.start[1])
+        for i, (m, out, start) in enumerate(zip(self.maps, self.out, self.start, strict=True)):
+            x = self._gather(x, 2 + i, m, out, start)
+        return x
 
     def extra_repr(self) -> str:
         m = self.maps[0]
         corners = ", align_corners" if m.align_corners else ""
-        return (f"{m.mode}{corners}: rows {self.rows[0]}:{self.rows[1]} cols "
-                f"{self.cols[0]}:{self.cols[1]} from a window at {self.start}")
-
+        mode = "trilinear" if m.mode == "bilinear" and len(self.maps) == 3 else m.mode
+        cells = " x ".join(f"{a}:{b}" for a, b in self.out)
+        return f"{mode}{corners}: output {cells} from a window at {self.start}"

@@ -40,8 +40,7 @@ def group_key(stage: int, copy: int = 0) -> str:
 
 
 def _region(t: torch.Tensor, holder: Rect, inner: Rect) -> torch.Tensor:
-    hs, ws = holder.local(inner)
-    return t[:, :, hs, ws]
+    return t[(slice(None), slice(None), *holder.local(inner))]
 
 
 Pieces = list[tuple[Rect, torch.Tensor]]
@@ -76,23 +75,22 @@ def _rebuild(x: torch.Tensor, ex: Exchange, replicated: bool, pieces: Pieces) ->
     """The window again, from the tile and the saved pieces (no communication)."""
     n, c = x.shape[:2]
     out = x.new_empty((n, c, *ex.need.shape))
-    own = Rect((0, ex.extent[0]), (0, ex.extent[1])) if replicated else ex.own
+    own = Rect.whole(ex.extent) if replicated else ex.own
     local = ex.need.intersect(own)
     if local is not None:
         _region(out, ex.need, local).copy_(_region(x, own, local))
     for rect, buf in pieces:
         _region(out, ex.need, rect).copy_(buf)
-    # the tile and the pieces cover the window's part inside the image; pad the rest
-    height, width = ex.need.shape
-    top = min(height, max(0, -ex.need.h[0]))
-    bottom = min(height - top, max(0, ex.need.h[1] - ex.extent[0]))
-    left = min(width, max(0, -ex.need.w[0]))
-    right = min(width - left, max(0, ex.need.w[1] - ex.extent[1]))
-    for r0, r1, c0, c1 in ((0, top, 0, width), (height - bottom, height, 0, width),
-                           (top, height - bottom, 0, left),
-                           (top, height - bottom, width - right, width)):
-        if r1 > r0 and c1 > c0:
-            out[:, :, r0:r1, c0:c1] = ex.fill
+    # the tile and the pieces cover the window's part inside the image; pad the rest: along
+    # each dim, the slabs before and after the image (over the whole window: a cell outside
+    # along several dims is filled more than once, with the same value)
+    for i, ((a, b), e) in enumerate(zip(ex.need.dims, ex.extent, strict=True)):
+        size = b - a
+        before = min(size, max(0, -a))
+        after = min(size - before, max(0, b - e))
+        for lo, hi in ((0, before), (size - after, size)):
+            if hi > lo:
+                out.narrow(2 + i, lo, hi - lo).fill_(ex.fill)
     return out
 
 
@@ -101,7 +99,7 @@ def _window_grad(g: torch.Tensor, ex: Exchange, comm: Comm, replicated: bool, ta
     """Backward of a halo exchange: the window's gradient, back on the tiles that own it."""
     n, c = g.shape[:2]
     if replicated:
-        full = Rect((0, ex.extent[0]), (0, ex.extent[1]))
+        full = Rect.whole(ex.extent)
         gx = g.new_zeros((n, c, *ex.extent))
         inside = ex.need.intersect(full)
         if inside is not None:
@@ -165,9 +163,11 @@ class _HaloOp(torch.autograd.Function):
             ctx.window_shape, ctx.pieces = window.shape, None
             if spec.kind == "avgpool":
                 return spec.compute(window)
-            c = spec.cfg
-            out, idx = torch.ops.aten.max_pool2d_with_indices(
-                window, _pair(c["kernel"]), _pair(c["stride"]), [0, 0], _pair(c["dilation"]))
+            c, nd = spec.cfg, window.dim() - 2
+            with_indices = torch.ops.aten.max_pool3d_with_indices if nd == 3 else \
+                torch.ops.aten.max_pool2d_with_indices
+            out, idx = with_indices(window, _ntuple(c["kernel"], nd), _ntuple(c["stride"], nd),
+                                    [0] * nd, _ntuple(c["dilation"], nd))
             ctx.save_for_backward(idx)
             return out
         ctx.save_for_backward(x, *params)
@@ -195,9 +195,10 @@ class _HaloOp(torch.autograd.Function):
         window = _rebuild(x, spec.exchange, spec.replicated, ctx.pieces)
         weight = params[0]
         bias_sizes = [weight.shape[0]] if len(params) > 1 else None
+        nd = window.dim() - 2
         gw, gwt, gb = torch.ops.aten.convolution_backward(
-            g, window, weight, bias_sizes, list(spec.cfg["stride"]), [0, 0],
-            list(spec.cfg["dilation"]), False, [0, 0], spec.cfg["groups"],
+            g, window, weight, bias_sizes, list(spec.cfg["stride"]), [0] * nd,
+            list(spec.cfg["dilation"]), False, [0] * nd, spec.cfg["groups"],
             [need[0], need[2], len(params) > 1 and need[3]])
         gx = None
         if need[0] and gw is not None:
@@ -210,17 +211,20 @@ def _pool_grad(spec: HaloOp, ctx: Any, g: torch.Tensor) -> torch.Tensor:
     kernels read only its shape (max pool: the saved argmax)."""
     c = spec.cfg
     like = g.new_empty(ctx.window_shape)
+    nd = like.dim() - 2
+    aten = torch.ops.aten
+    k, s = _ntuple(c["kernel"], nd), _ntuple(c["stride"], nd)
     if spec.kind == "maxpool":
         idx = ctx.saved_tensors[0]
-        return torch.ops.aten.max_pool2d_with_indices_backward(
-            g, like, _pair(c["kernel"]), _pair(c["stride"]), [0, 0], _pair(c["dilation"]),
-            False, idx)
-    return torch.ops.aten.avg_pool2d_backward(g, like, _pair(c["kernel"]), _pair(c["stride"]),
-                                              [0, 0], False, True, c.get("divisor_override"))
+        backward = aten.max_pool3d_with_indices_backward if nd == 3 else \
+            aten.max_pool2d_with_indices_backward
+        return backward(g, like, k, s, [0] * nd, _ntuple(c["dilation"], nd), False, idx)
+    backward = aten.avg_pool3d_backward if nd == 3 else aten.avg_pool2d_backward
+    return backward(g, like, k, s, [0] * nd, False, True, c.get("divisor_override"))
 
 
-def _pair(v: Any) -> list[int]:
-    return [int(v), int(v)] if isinstance(v, int) else [int(u) for u in v]
+def _ntuple(v: Any, nd: int) -> list[int]:
+    return [int(v)] * nd if isinstance(v, int) else [int(u) for u in v]
 
 
 def _split_backward(ctx: Any, g: torch.Tensor, x: torch.Tensor,
@@ -249,6 +253,18 @@ def _split_backward(ctx: Any, g: torch.Tensor, x: torch.Tensor,
     return [gx, None, gw, gb][:2 + len(params)]
 
 
+SIDES = {2: ("top", "bottom", "left", "right"),
+         3: ("front", "back", "top", "bottom", "left", "right")}
+"""Names of the sides of a tile, in :meth:`Exchange.halo_widths` order."""
+
+
+def widths(ex: Exchange) -> str:
+    """``top=1 bottom=1 left=1 right=1`` (a volume: front and back too)."""
+    w = ex.halo_widths()
+    names = SIDES.get(len(w) // 2, tuple(f"s{i}" for i in range(len(w))))
+    return " ".join(f"{n}={v}" for n, v in zip(names, w, strict=True))
+
+
 class Halo(TileOp):
     """Re-tile a tiled (or replicated) tensor into the window ``exchange.need`` of this rank.
 
@@ -272,11 +288,9 @@ class Halo(TileOp):
 
     def extra_repr(self) -> str:
         ex = self.exchange
-        top, bottom, left, right = ex.halo_widths()
         src = "replicated" if self.replicated else f"tile {ex.own}"
-        return (f"{src} -> {ex.need}; halo top={top} bottom={bottom} left={left} "
-                f"right={right}; recv from {[u for u, _ in ex.recvs]}, send to "
-                f"{[u for u, _ in ex.sends]}, fill={ex.fill}")
+        return (f"{src} -> {ex.need}; halo {widths(ex)}; recv from {[u for u, _ in ex.recvs]}, "
+                f"send to {[u for u, _ in ex.sends]}, fill={ex.fill}")
 
 
 class _Join(torch.autograd.Function):
@@ -285,10 +299,8 @@ class _Join(torch.autograd.Function):
                 tag: int) -> torch.Tensor:
         ctx.rect, ctx.comm = rects[t], comm
         n, c = x.shape[:2]
-        h = max(r.h[1] for r in rects)
-        w = max(r.w[1] for r in rects)
-        out = x.new_empty((n, c, h, w))
-        full = Rect((0, h), (0, w))
+        full = Rect(*((0, max(r.dims[i][1] for r in rects)) for i in range(rects[t].ndim)))
+        out = x.new_empty((n, c, *full.shape))
         reqs, bufs = [], []
         for u, rect in enumerate(rects):
             if u == t:
@@ -330,22 +342,25 @@ class Join(TileOp):
 
 class AvgDivisor(nn.Module):
     """Divides a tile's sum-pool by its slice of the global divisor map (separable: the outer
-    product of the per-row and per-column window counts), so average pooling with
-    ``count_include_pad=False`` or ``ceil_mode`` matches one device at every border."""
+    product of the per-dim window counts: rows and columns, or depth, rows and columns), so
+    average pooling with ``count_include_pad=False`` or ``ceil_mode`` matches one device at
+    every border."""
 
-    def __init__(self, rows: list[int], cols: list[int]) -> None:
+    def __init__(self, counts: tuple[list[int], ...]) -> None:
         super().__init__()
-        self.counts = (list(rows), list(cols))
-        self.register_buffer("rows", torch.tensor(rows, dtype=torch.float64).view(-1, 1),
-                             persistent=False)
-        self.register_buffer("cols", torch.tensor(cols, dtype=torch.float64).view(1, -1),
-                             persistent=False)
+        self.counts = tuple(list(c) for c in counts)
+        div = torch.ones((), dtype=torch.float64)
+        for i, c in enumerate(self.counts):
+            shape = [1] * len(self.counts)
+            shape[i] = -1
+            div = div * torch.tensor(c, dtype=torch.float64).view(shape)
+        self.register_buffer("divisor", div, persistent=False)
 
     def emit_args(self) -> dict[str, Any]:
-        return {"rows": self.counts[0], "cols": self.counts[1]}
+        return {"counts": self.counts}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / (self.rows * self.cols).to(x.dtype)
+        return x / self.divisor.to(x.dtype)
 
 
 class HaloOp(TileOp):
@@ -365,8 +380,8 @@ class HaloOp(TileOp):
     def split(self, params: tuple[torch.Tensor, ...]) -> haloconv.Split | None:
         """How this convolution splits into tile and halo parts (None: assemble the window);
         worked out once, from the weight's kernel size."""
-        if self.kind != "conv" or self.replicated or FORCE_WINDOW:
-            return None
+        if self.kind != "conv" or self.replicated or FORCE_WINDOW or self.exchange.own.ndim != 2:
+            return None  # volumes assemble the window (haloconv splits images only)
         if not hasattr(self, "_split"):
             kernel = (int(params[0].shape[2]), int(params[0].shape[3]))
             self._split = haloconv.plan(self.exchange, kernel, tuple(self.cfg["stride"]),
@@ -374,22 +389,23 @@ class HaloOp(TileOp):
         return self._split
 
     def compute(self, window: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
+        c, f = self.cfg, nn.functional
+        volume = window.dim() == 5
         if self.kind == "conv":
-            return nn.functional.conv2d(window, params[0], params[1] if len(params) > 1 else None,
-                                        c["stride"], 0, c["dilation"], c["groups"])
+            conv = f.conv3d if volume else f.conv2d
+            return conv(window, params[0], params[1] if len(params) > 1 else None,
+                        c["stride"], 0, c["dilation"], c["groups"])
         if self.kind == "maxpool":
-            return nn.functional.max_pool2d(window, c["kernel"], c["stride"], 0, c["dilation"])
-        return nn.functional.avg_pool2d(window, c["kernel"], c["stride"], 0,
-                                        divisor_override=c.get("divisor_override"))
+            return (f.max_pool3d if volume else f.max_pool2d)(window, c["kernel"], c["stride"],
+                                                              0, c["dilation"])
+        return (f.avg_pool3d if volume else f.avg_pool2d)(
+            window, c["kernel"], c["stride"], 0, divisor_override=c.get("divisor_override"))
 
     def forward(self, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         return _HaloOp.apply(x, self, *params)
 
     def extra_repr(self) -> str:
         ex = self.exchange
-        top, bottom, left, right = ex.halo_widths()
         src = "replicated" if self.replicated else f"tile {ex.own}"
-        return (f"{self.kind} {self.cfg} on {src} -> window {ex.need}; halo top={top} "
-                f"bottom={bottom} left={left} right={right}; recv from "
-                f"{[u for u, _ in ex.recvs]}, send to {[u for u, _ in ex.sends]}")
+        return (f"{self.kind} {self.cfg} on {src} -> window {ex.need}; halo {widths(ex)}; "
+                f"recv from {[u for u, _ in ex.recvs]}, send to {[u for u, _ in ex.sends]}")

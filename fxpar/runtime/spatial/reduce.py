@@ -1,4 +1,4 @@
-"""Reductions over the whole image from tiles: the result is the same on every rank.
+"""Reductions over the whole image (or volume) from tiles: the result is the same on every rank.
 
 Global average pooling (``mean`` over H and W, ``adaptive_avg_pool2d`` to 1x1), squeeze-excite
 and CBAM's channel attention (``amax`` over H and W), ``sum`` over H and W, and adaptive
@@ -20,6 +20,7 @@ tiles, and the result is divided by the bins' sizes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -46,14 +47,19 @@ def bin_sizes(extent: int, out: int) -> torch.Tensor:
     return bins(extent, out, (0, extent)).sum(0)
 
 
+def _spatial(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(range(2, x.dim()))
+
+
 class _GlobalMax(torch.autograd.Function):
-    """``amax`` over H and W of the whole image; gradient split evenly over the ties."""
+    """``amax`` over the spatial dims of the whole image; gradient split evenly over the
+    ties."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        m = comm.allreduce(x.amax(dim=(2, 3), keepdim=True).contiguous(), op="max")
+        m = comm.allreduce(x.amax(dim=_spatial(x), keepdim=True).contiguous(), op="max")
         at = x == m
-        count = comm.allreduce(at.sum(dim=(2, 3), keepdim=True).to(x.dtype))
+        count = comm.allreduce(at.sum(dim=_spatial(x), keepdim=True).to(x.dtype))
         ctx.save_for_backward(at, count)
         ctx.comm = comm
         return m
@@ -66,29 +72,36 @@ class _GlobalMax(torch.autograd.Function):
 
 
 class TileReduce(TileOp):
-    """A reduction over H and W of the whole image, from this rank's tile ``rect``.
+    """A reduction over the spatial dims of the whole image (or volume), from this rank's tile
+    ``box`` (one interval per spatial dim).
 
-    kind: ``sum`` | ``mean`` | ``amax`` (over H and W; ``keepdim`` as the op had it) or
-    ``bins`` (adaptive average pooling to ``out``). ``extent``: the image's (H, W)."""
+    kind: ``sum`` | ``mean`` | ``amax`` (over every spatial dim; ``keepdim`` as the op had it)
+    or ``bins`` (adaptive average pooling to ``out``). ``extent``: the image's spatial
+    sizes."""
 
-    def __init__(self, kind: str, key: str, extent: tuple[int, int],
-                 rows: Interval, cols: Interval, keepdim: bool = True,
-                 out: tuple[int, int] = (1, 1)) -> None:
+    def __init__(self, kind: str, key: str, extent: tuple[int, ...],
+                 box: tuple[Interval, ...], keepdim: bool = True,
+                 out: tuple[int, ...] = (1, 1)) -> None:
         super().__init__()
         if kind not in KINDS:
             raise ValueError(f"TileReduce kind {kind!r}: one of {KINDS}")
         self.kind, self.key, self.keepdim = kind, key, keepdim
-        self.extent, self.rows, self.cols, self.out = tuple(extent), tuple(rows), tuple(cols), \
-            tuple(out)
-        if kind == "bins":  # the tile's rows and columns into the bins, and the bins' sizes
-            (h, w), (oh, ow) = self.extent, self.out
-            self._ah, self._aw = bins(h, oh, self.rows), bins(w, ow, self.cols)
-            self._sizes = torch.outer(bin_sizes(h, oh), bin_sizes(w, ow))
+        self.extent, self.box = tuple(extent), tuple(tuple(iv) for iv in box)
+        self.out = tuple(out)
+        if kind == "bins":  # the tile's cells into the bins along each dim, and bin sizes
+            self._maps = [bins(e, o, iv) for e, o, iv in
+                          zip(self.extent, self.out, self.box, strict=True)]
+            sizes = torch.ones((), dtype=torch.float64)
+            for i, (e, o) in enumerate(zip(self.extent, self.out, strict=True)):
+                shape = [1] * len(self.out)
+                shape[i] = -1
+                sizes = sizes * bin_sizes(e, o).view(shape)
+            self._sizes = sizes
 
     def emit_args(self) -> dict[str, Any]:
         """The constructor's arguments (fxpar.io.emit writes ``TileReduce(**these)``)."""
-        return {"kind": self.kind, "key": self.key, "extent": self.extent, "rows": self.rows,
-                "cols": self.cols, "keepdim": self.keepdim, "out": self.out}
+        return {"kind": self.kind, "key": self.key, "extent": self.extent, "box": self.box,
+                "keepdim": self.keepdim, "out": self.out}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "bins":
@@ -96,17 +109,22 @@ class TileReduce(TileOp):
         if self.kind == "amax":
             y = _GlobalMax.apply(x, self.group())
         else:
-            y = group_sum(x.sum(dim=(2, 3), keepdim=True), self.group())
+            y = group_sum(x.sum(dim=_spatial(x), keepdim=True), self.group())
             if self.kind == "mean":
-                y = y / (self.extent[0] * self.extent[1])
+                y = y / math.prod(self.extent)
         return y if self.keepdim else y.flatten(2).squeeze(-1)
 
     def _bins(self, x: torch.Tensor) -> torch.Tensor:
-        part = torch.einsum("nchw,hi,wj->ncij", x, self._ah.to(x), self._aw.to(x))
+        letters = "dhw"[-len(self.out):]
+        outs = "ijk"[:len(self.out)]
+        spec = f"nc{letters}," + ",".join(f"{a}{b}" for a, b in zip(letters, outs,
+                                                                     strict=True))
+        part = torch.einsum(f"{spec}->nc{outs}", x, *(m.to(x) for m in self._maps))
         return group_sum(part, self.group()) / self._sizes.to(x)
 
     def extra_repr(self) -> str:
-        what = f"adaptive average pool to {self.out[0]}x{self.out[1]}" \
-            if self.kind == "bins" else f"{self.kind} over H and W"
-        return (f"{what} of the {self.extent[0]}x{self.extent[1]} image from rows "
-                f"{self.rows[0]}:{self.rows[1]} cols {self.cols[0]}:{self.cols[1]}")
+        size = "x".join(map(str, self.extent))
+        what = f"adaptive average pool to {'x'.join(map(str, self.out))}" \
+            if self.kind == "bins" else f"{self.kind} over the spatial dims"
+        cells = " x ".join(f"{a}:{b}" for a, b in self.box)
+        return f"{what} of the {size} image from {cells}"
