@@ -1,5 +1,7 @@
 """Plan validation and the rank map, without MPI."""
 
+import re
+
 import pytest
 
 from fxpar.core.plan import Plan, PlanError, RankMap, Role
@@ -78,6 +80,45 @@ def test_gems_odd_layout_puts_the_middle_role_twice_on_one_rank():
 ])
 def test_tile_grid(slice_, parts, grid):
     assert Plan(spatial_parts=parts, slice=slice_).tile_grid() == grid
+
+
+@pytest.mark.parametrize("slice_, parts, grid", [
+    ("slab", 2, (2, 1, 1)), ("slab", 5, (5, 1, 1)), ("pencil", 4, (2, 2, 1)),
+    ("pencil", 6, (2, 3, 1)), ("cube", 8, (2, 2, 2)), ("cube", 4, (1, 2, 2)),
+    ("cube", 12, (2, 2, 3)), ("cube", 64, (4, 4, 4)), ("cube", 7, (1, 1, 7)),
+    ("square", 4, (1, 2, 2)), ("horizontal", 3, (1, 3, 1)), ("vertical", 3, (1, 1, 3)),
+])
+def test_volume_tile_grid(slice_, parts, grid):
+    assert Plan(spatial_parts=parts, slice=slice_).tile_grid(3) == grid
+
+
+def test_image_slices_of_the_volume_names():
+    for parts in (2, 4, 6, 8):
+        assert Plan(spatial_parts=parts, slice="slab").tile_grid() == (parts, 1)
+        for volume_only in ("pencil", "cube"):  # on an image: the square grid
+            assert Plan(spatial_parts=parts, slice=volume_only).tile_grid() == \
+                Plan(spatial_parts=parts).tile_grid()
+
+
+def test_explicit_grid():
+    plan = Plan(grid=(3, 1, 2))
+    assert plan.spatial_parts == 6 and plan.tile_grid(3) == (3, 1, 2)
+    assert Plan(grid=[2, 2], spatial_parts=4).grid == (2, 2)  # lists from JSON / CLI
+    assert Plan(**Plan(grid=(2, 2, 2)).to_json()) == Plan(grid=(2, 2, 2))
+    with pytest.raises(PlanError, match=r"Plan.grid=\(2, 2\) has 2 dims but the input is a "
+                                        r"volume \(D, H, W\): give one tile count per"):
+        Plan(grid=(2, 2)).tile_grid(3)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(grid=(2, 2), spatial_parts=3), "Plan.grid=(2, 2) makes 4 tiles but spatial_parts=3"),
+    (dict(grid=(2, 0, 2)), "Plan.grid must hold 1 to 3 integers >= 1, one per spatial dim"),
+    (dict(grid=(1, 1, 1, 2)), "Plan.grid must hold 1 to 3 integers >= 1"),
+    (dict(grid="2x2"), "Plan.grid must be a sequence of tile counts"),
+])
+def test_invalid_grids_say_what_to_change(kwargs, message):
+    with pytest.raises(PlanError, match=re.escape(message)):
+        Plan(**kwargs)
 
 
 def test_batch_must_split_into_equal_chunks():

@@ -95,6 +95,40 @@ def test_square_exchange_includes_corners():
     assert ex.halo_widths() == (1, 1, 1, 1)
 
 
+def test_cube_exchange_has_faces_edges_and_corners():
+    grid = Grid(2, 2, 2)
+    ext = (6, 8, 10)
+    needs = [Rect(*((a - 1, b + 1) for a, b in grid.tile_rect(ext, u).dims))
+             for u in range(8)]
+    ex = exchange(grid, ext, needs, 7)  # the back-bottom-right tile
+    assert ex.own == Rect((3, 6), (4, 8), (5, 10))
+    assert sorted(u for u, _ in ex.recvs) == list(range(7))
+    assert dict(ex.recvs)[0] == Rect((2, 3), (3, 4), (4, 5))  # the corner cell
+    assert ex.pieces_by_kind() == {"face": (3, 4 * 5 + 3 * 5 + 3 * 4), "edge": (3, 5 + 4 + 3),
+                                   "corner": (1, 1)}
+    assert ex.halo_widths() == (1, 1, 1, 1, 1, 1)  # past the border: padding, not received
+    assert ex.recv_elements() == 4 * 5 + 3 * 5 + 3 * 4 + 5 + 4 + 3 + 1
+    # every tile sends exactly what the others receive from it
+    sent = {(t, u): r for t in range(8) for u, r in exchange(grid, ext, needs, t).sends}
+    got = {(u, t): r for t in range(8) for u, r in exchange(grid, ext, needs, t).recvs}
+    assert sent == got
+
+
+def test_grid_positions_are_row_major_and_tiles_cover_the_volume():
+    grid = Grid(3, 1, 2)
+    assert [grid.position(t) for t in range(6)] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1),
+                                                    (2, 0, 0), (2, 0, 1)]
+    ext = (7, 5, 9)
+    cells = sum(grid.tile_rect(ext, t).size for t in range(grid.size))
+    assert cells == 7 * 5 * 9 and grid.fits(ext) and not grid.fits((2, 5, 9))
+    assert not grid.fits((7, 9))  # an image against a volume grid
+    with pytest.raises(ValueError, match="splits 3 spatial dims; the extent"):
+        grid.tile_rect((7, 9), 0)
+    assert str(Rect((0, 2), (1, 3), (4, 5))) == "depth 0:2 rows 1:3 cols 4:5"
+    assert eval(repr(Rect((0, 2), (1, 3)))) == Rect((0, 2), (1, 3))
+    assert Rect(dims=((0, 2),)) == Rect((0, 2))
+
+
 def test_halo_reaches_past_the_immediate_neighbour():
     grid = Grid(4, 1)  # tiles of 2 rows
     ext = (8, 4)

@@ -33,7 +33,7 @@ def reads(program: Program, rank: int) -> Rect | None:
     """What ``rank``'s stage modules read of the model input, from the modules themselves."""
     x = next(n for n in program.traced.graph.nodes if n.op == "placeholder")  # type: ignore
     shape = meta.get(x, TensorInfo).shape
-    image = Rect((0, shape[2]), (0, shape[3]))
+    image = Rect.whole(shape[2:])
     rects: list[Rect] = []
     for (_copy, stage), module in program.stage_modules(rank).items():
         assert isinstance(module, fx.GraphModule)
@@ -54,8 +54,8 @@ def reads(program: Program, rank: int) -> Rect | None:
                     rects.append(image)
     if not rects:
         return None
-    return Rect((min(r.h[0] for r in rects), max(r.h[1] for r in rects)),
-                (min(r.w[0] for r in rects), max(r.w[1] for r in rects)))
+    return Rect(*((min(r.dims[i][0] for r in rects), max(r.dims[i][1] for r in rects))
+                  for i in range(image.ndim)))
 
 
 def windows_match_reads(program: Program) -> None:
@@ -184,3 +184,33 @@ def test_random_cnns_and_spatial_plans(data):
     except PlanError:
         reject()
     windows_match_reads(program)
+
+
+@pytest.mark.parametrize("plan", [fxpar.Plan(spatial_parts=8, slice="cube"),
+                                  fxpar.Plan(grid=(3, 1, 2)),
+                                  fxpar.Plan(stages=2, spatial_parts=4, slice="pencil",
+                                             microbatches=2)])
+def test_volume_windows_are_each_ranks_block_plus_halo(plan, tmp_path):
+    """A volume model (the zoo's 3D U-Net: a 3x3x3 convolution, padding 1, reads the input):
+    each spatial rank reads its block of the volume plus one cell on each inner face, edge and
+    corner, in memory and after save + load."""
+    from fxpar import models
+
+    model = models.build("unet3d", in_channels=1, num_classes=2, base=2, depth=2)
+    shape = (2, 1, 14, 8, 10)
+    program = fxpar.compile(model, plan, torch.empty(shape, device="meta"))
+    windows_match_reads(program)
+    grid = program.spatial.grid  # type: ignore[union-attr]
+    for rank in range(program.world_size):
+        role = program.rank_map.roles_of(rank)[0]
+        got = program.for_rank(rank).input_window()
+        if role.stage > 0:
+            assert got is None
+            continue
+        block = grid.tile_rect(shape[2:], role.tile)
+        want = Rect(*((max(a - 1, 0), min(b + 1, e))
+                      for (a, b), e in zip(block.dims, shape[2:], strict=True)))
+        assert got == want, (rank, got, want)
+    program.save(tmp_path / "job")
+    assert [load(tmp_path / "job", rank=r).input_window() for r in range(program.world_size)] \
+        == [program.for_rank(r).input_window() for r in range(program.world_size)]

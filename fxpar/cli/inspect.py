@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx, nn
 
+from fxpar.cli.args import grid_arg, image_size_arg
 from fxpar.compiler import draw
 from fxpar.compiler.driver import PASSES, links_of
 from fxpar.compiler.driver import compile as fx_compile
@@ -47,7 +48,9 @@ def parser() -> argparse.ArgumentParser:
                    help="torchvision:NAME, models:NAME or path/to/file.py:FACTORY")
     p.add_argument("-k", "--model-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the model factory (repeatable)")
-    p.add_argument("--image-size", type=int, help="input height and width (required)")
+    p.add_argument("--image-size", type=image_size_arg, metavar="N|HxW|DxHxW",
+                   help="input size (required): N for an N x N image, HxW, or DxHxW for a 3-D "
+                   "volume; N with a DxHxW --grid is an N^3 volume")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--channels", type=int, default=3, help="input channels (default 3)")
     p.add_argument("--num-classes", type=int, default=None,
@@ -60,7 +63,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--microbatches", "--parts", type=int, default=1)
     g.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
     g.add_argument("--spatial-parts", "--num-spatial-parts", type=int, default=1)
-    g.add_argument("--slice", "--slice-method", choices=SLICES, default="square")
+    g.add_argument("--slice", "--slice-method", choices=SLICES, default="square",
+                   help="default square; slab, pencil, cube split a volume's D, D x H, D x H x W")
+    g.add_argument("--grid", type=grid_arg, metavar="HxW|DxHxW", default=None,
+                   help="explicit process grid: tiles per spatial dim (e.g. 2x2x2); "
+                   "--spatial-parts defaults to their product")
     g.add_argument("--spatial-stages", "--spatial-size", type=int, default=1)
     g.add_argument("--gems", action="store_true", help="bidirectional GEMS mirror copy")
     g.add_argument("--times", "--gems-times", type=int, default=1)
@@ -190,18 +197,21 @@ def _main(args: argparse.Namespace) -> int:
     model = build_model(args.model, meta=True, **kwargs)  # no parameter memory
     dtype = getattr(torch, args.dtype)
     model = model.to(dtype)
-    shape = (args.batch_size, args.channels, args.image_size, args.image_size)
+    size = args.image_size
+    if isinstance(size, int):
+        size = (size,) * (3 if args.grid is not None and len(args.grid) == 3 else 2)
+    shape = (args.batch_size, args.channels, *size)
     example = torch.empty(shape, dtype=dtype, device="meta")
     start = time.perf_counter()
     program = None
-    if not views and args.stages is None and args.spatial_parts == 1 and not args.gems and \
-            args.data_parallel == 1:
+    if not views and args.stages is None and args.spatial_parts == 1 and args.grid is None \
+            and not args.gems and args.data_parallel == 1:
         gm = trace(model, example)
     else:
         balance = tuple(int(b) for b in args.balance.split(",")) if args.balance else None
         plan = Plan(stages=args.stages or 1, balance=balance,
                     microbatches=args.microbatches, schedule=args.schedule,
-                    spatial_parts=args.spatial_parts, slice=args.slice,
+                    spatial_parts=args.spatial_parts, slice=args.slice, grid=args.grid,
                     spatial_stages=args.spatial_stages, gems=args.gems,
                     gems_times=args.times, data_parallel=args.data_parallel)
         # the model is on meta; inspecting never computes with weights, so a rank's modules

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from fxpar.cli.args import grid_arg, image_size_arg
 from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import compile as fx_compile
@@ -46,7 +47,6 @@ from fxpar.io.data import (
     ImageFolder,
     Synthetic,
     describe,
-    parse_size,
     spatial_size,
 )
 from fxpar.io.metrics import Recorder, gather, table, write_metrics
@@ -65,28 +65,6 @@ MODEL_FLAGS = (("model_arg", "-k"), ("num_layers", "--num-layers"),
                ("num_filters", "--num-filters"))
 USER_ERRORS = (PlanError, ModelSpecError, TraceError, DataError, CheckpointError, ValueError,
                TypeError)
-
-
-def image_size_arg(text: str) -> int | tuple[int, ...]:
-    """``--image-size``: N (an int: a square image) or (H, W) / (D, H, W)."""
-    try:
-        size = parse_size(text)
-    except DataError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return size[0] if len(size) == 1 else size
-
-
-def grid_arg(text: str) -> tuple[int, ...]:
-    """``--grid``: tiles per spatial dim, HxW or DxHxW."""
-    try:
-        grid = parse_size(text, "--grid", ("2x4", "2x2x2"))
-    except DataError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if len(grid) == 1:
-        raise argparse.ArgumentTypeError(
-            f"--grid {text}: give tiles per spatial dim, HxW or DxHxW (e.g. --grid 1x{grid[0]}"
-            f"); for {grid[0]} tiles cut by --slice use --spatial-parts {grid[0]}")
-    return grid
 
 
 def parser() -> argparse.ArgumentParser:

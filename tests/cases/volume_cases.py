@@ -181,3 +181,44 @@ for _model in VOLUME_MODELS:
         globals()[f"case_{_model}__{_plan}"] = (lambda a=_model, b=_plan: _model_case(a, b))
 
 torch.set_num_threads(1)
+
+
+# -- the check catches a missing corner --------------------------------------------------------
+def case_zeroed_corner_piece_is_caught() -> None:
+    """On a 2x2x2 cube the 3x3x3 convolutions need corner pieces from the diagonal tile. Zero
+    the corner piece rank 7 receives in its first forward window (only it: faces and edges
+    arrive intact): the check must fail on that rank, at the first step's loss, and name
+    tensors element-wise (proof that corners are exchanged and that the harness sees one)."""
+    import sys
+
+    from equivalence import collect_failures
+
+    from fxpar.comm.world import world
+    from fxpar.runtime.spatial import ops
+
+    original = ops._rebuild
+    fired: list[int] = []
+
+    def rebuild(x, ex, replicated, pieces):  # type: ignore[no-untyped-def]
+        if not fired and not replicated and world().rank == 7 and \
+                sys._getframe(1).f_code.co_name == "_window":
+            corners = [i for i, (rect, _) in enumerate(pieces)
+                       if all(a[1] <= o[0] or a[0] >= o[1]
+                              for a, o in zip(rect.dims, ex.own.dims, strict=True))]
+            if corners:
+                pieces = [(r, b.mul(0) if i in corners else b) for i, (r, b) in enumerate(pieces)]
+                fired.append(len(corners))
+        return original(x, ex, replicated, pieces)
+
+    ops._rebuild = rebuild
+    try:
+        with collect_failures() as failures:
+            check(Case(convs, (2, 2, 8, 8, 8), GRIDS["cube8"]))
+    finally:
+        ops._rebuild = original
+    everyone = world().allgather_object((bool(fired), failures[:3]))
+    assert [f for f, _ in everyone] == [False] * 7 + [True], everyone
+    caught = everyone[7][1]
+    assert caught and caught[0].startswith("step 0 loss: 1 of 1 elements differ"), caught
+    if world().rank == 0:
+        print(f"zeroed corner on rank 7 caught: {caught[0][:120]}", flush=True)
