@@ -123,6 +123,7 @@ def cosmoflow(
     outputs: int = 4,
     dropout: float = 0.0,
     max_channels: int = 512,
+    num_classes: int | None = None,
 ) -> nn.Module:
     """Build a CosmoFlow regression CNN for cubic inputs of side ``input_size``.
 
@@ -130,6 +131,9 @@ def cosmoflow(
     by ``2**blocks`` (ValueError otherwise, saying what to change).  ``hidden`` are the widths of
     the two hidden dense layers, ``outputs`` the number of regressed parameters (4 in the paper:
     Omega_m, sigma_8, N_s, H_0), ``dropout`` the rate after each hidden layer (0: no Dropout).
-    The defaults are the MLPerf HPC reference sizes (about 3.3M parameters).
+    The defaults are the MLPerf HPC reference sizes (about 3.3M parameters). ``num_classes``,
+    when given, is ``outputs`` under the name the command-line tools pass (``fxpar-run
+    --num-classes``).
     """
+    outputs = outputs if num_classes is None else num_classes
     return CosmoFlow(in_channels, base, blocks, input_size, hidden, outputs, dropout, max_channels)

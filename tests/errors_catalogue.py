@@ -126,8 +126,23 @@ CATALOGUE: list[Entry] = [
           r"Plan\.schedule must be one of", 'Use schedule="gpipe" or schedule="1f1b".',
           lambda: Plan(schedule="zero-bubble")),
     Entry("plan-slice", "plan", "an unknown way to cut the image", PlanError,
-          r"Plan\.slice must be one of", 'Use slice="vertical", "horizontal" or "square".',
+          r"Plan\.slice must be one of", 'Use slice="vertical", "horizontal" or "square" '
+          '(images and volumes), "slab", "pencil" or "cube" (volumes), or an explicit grid.',
           lambda: Plan(slice="diagonal")),
+    Entry("plan-grid-values", "plan", "an explicit grid that is not 1 to 3 positive integers",
+          PlanError, r"Plan\.grid must hold 1 to 3 integers >= 1", "Give one tile count >= 1 "
+          "per spatial dim: grid=(2, 2) for an image (H, W), grid=(2, 2, 2) for a volume "
+          "(D, H, W).", lambda: Plan(grid=(2, 0, 2))),
+    Entry("plan-grid-parts", "plan", "an explicit grid and spatial_parts that disagree",
+          PlanError, r"Plan\.grid=\(2, 2\) makes 4 tiles but spatial_parts=3",
+          "Give only grid (spatial_parts becomes its product), or make spatial_parts equal to "
+          "the product.", lambda: Plan(grid=(2, 2), spatial_parts=3)),
+    Entry("plan-grid-dims", "spatial", "an explicit grid with another number of dims than the "
+          "input", PlanError, r"Plan\.grid=\(2, 2\) has 2 dims but the input is a volume",
+          "Give one tile count per spatial dim of the input: (D, H, W) for a volume, (H, W) "
+          "for an image.",
+          lambda: build(Plan(grid=(2, 2)), shape=(2, 3, 8, 8, 8),
+                        model=nn.Sequential(nn.Conv3d(3, 4, 3, padding=1), nn.ReLU()))),
     Entry("plan-gems-flag", "plan", "gems is not a bool", PlanError,
           r"Plan\.gems must be True or False", "Pass gems=True or gems=False.",
           lambda: Plan(gems=1)),
