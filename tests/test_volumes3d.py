@@ -2,7 +2,8 @@
 (tests/cases/volume_cases.py): every 3-D op class on slabs, pencils, cubes and uneven explicit
 grids with odd sizes; the volume models (MONAI UNet / SegResNet / BasicUNet with
 spatial_dims=3, the zoo's 3D U-Net and CosmoFlow) under SP2 slabs and an SP8 cube each, and the
-other plans (1 rank, SP4 pencils, SP2+PP2, SP2+DP2) on one model each, in turn;
+other plans (1 rank, SP4 pencils, SP2+PP2, SP2+DP2) on one model each, in turn; a 3D U-Net
+under SP2+GEMS+PP, two spatial stages on pencils, and all five dimensions at once;
 ``FXPAR_VOLUME_MATRIX=1`` runs every (model, plan) pair. A zeroed corner piece is caught."""
 
 import os
@@ -15,10 +16,10 @@ ALL, NAMES = cases_in("volume_cases.py")
 
 
 def ci_subset() -> list[str]:
-    """Every op case; every model under sp2_slab and sp8_cube; each other plan on one model
-    (a different one each); the mutation case."""
+    """Every op case and stage/GEMS/DP combination; every model under sp2_slab and sp8_cube;
+    each other plan on one model (a different one each); the mutation case."""
     models = ["monai_UNet", "monai_SegResNet", "monai_BasicUNet", "unet3d", "cosmoflow"]
-    names = [n for n in NAMES if n.startswith("case_op_")]
+    names = [n for n in NAMES if n.startswith(("case_op_", "case_combo_"))]
     names += [f"case_{m}__{p}" for m in models for p in ("sp2_slab", "sp8_cube")]
     for k, plan in enumerate(("one", "sp4_pencil", "sp2_pp2", "sp2_dp2")):
         names.append(f"case_{models[(2 * k + 1) % len(models)]}__{plan}")

@@ -121,6 +121,27 @@ for _op in OPS:
         globals()[f"case_op_{_op}__{_grid}"] = (lambda a=_op, b=_grid: _op_case(a, b))
 
 
+# -- volumes with stages, GEMS and data parallelism ------------------------------------------
+COMBOS = {  # plan, global batch
+    "sp2_gems_pp": (P(stages=2, spatial_parts=2, slice="slab", microbatches=2, gems=True), 4),
+    "sp2_pencil_2spatial": (P(stages=3, spatial_parts=2, slice="pencil", spatial_stages=2), 2),
+    "full_5d": (P(stages=2, spatial_parts=2, slice="slab", microbatches=2, gems=True,
+                  data_parallel=2), 8),
+}
+
+
+def _combo_case(plan: str) -> None:
+    p, batch = COMBOS[plan]
+    build = lambda: models.build("unet3d", in_channels=1, num_classes=3, base=2,  # noqa: E731
+                                 depth=3)
+    _covers(check(Case(build, (batch, 1, 16, 12, 16), p, classes=3, segmentation=True)),
+            f"unet3d {plan}")
+
+
+for _combo in COMBOS:
+    globals()[f"case_combo_unet3d__{_combo}"] = (lambda a=_combo: _combo_case(a))
+
+
 # -- whole volume models --------------------------------------------------------------------
 def _monai(name: str):
     def build() -> nn.Module:
