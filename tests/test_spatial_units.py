@@ -93,6 +93,7 @@ def test_square_exchange_includes_corners():
     assert [u for u, _ in ex.recvs] == [0, 1, 2]
     assert dict(ex.recvs)[0] == Rect((3, 4), (3, 4))  # the corner cell from the diagonal tile
     assert ex.halo_widths() == (1, 1, 1, 1)
+    assert ex.pieces_by_kind() == {"side": (2, 8), "corner": (1, 1)}
 
 
 def test_cube_exchange_has_faces_edges_and_corners():

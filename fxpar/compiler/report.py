@@ -8,7 +8,7 @@ import torch
 from torch import fx, nn
 
 from fxpar.core import meta
-from fxpar.core.geometry import Rect
+from fxpar.core.geometry import Rect, piece_kinds
 from fxpar.core.meta import NodeCost, TensorInfo, module_path
 from fxpar.core.stages import StageGraph
 from fxpar.core.units import nbytes, si
@@ -119,9 +119,10 @@ def _columns(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
 def halo_table(program: Program) -> str:
     """The spatial region, the process grid and, per tile of each spatial stage, its block of
     the input, its halos with their widest widths (per side: top bottom left right, and
-    front back first for a volume), the pieces received by what they touch of the tile (face,
-    edge, corner; over all halos) and the bytes received per forward, against the minimum: the
-    cells of each window that lie in the image but outside its own tile."""
+    front back first for a volume), the pieces received by how they touch the tile (a
+    volume's faces, edges, corners; an image's sides, corners; over all halos) and the bytes
+    received per forward, against the minimum: the cells of each window that lie in the image
+    but outside its own tile."""
     info = program.spatial
     assert info is not None and program.traced is not None
     gm = program.traced
@@ -139,12 +140,13 @@ def halo_table(program: Program) -> str:
     lines += [f"  {reason}" for reason in region_ends(gm)]
     image = _input_extent(gm)
     sides = "f b t b l r" if grid.ndim == 3 else "t b l r"
-    rows = [("stage", "tile", "input block", "halos", "face/edge/corner", "received", "minimum",
-             "ratio", f"widest halo ({sides})")]
+    kinds = piece_kinds(grid.ndim)
+    rows = [("stage", "tile", "input block", "halos", "/".join(f"{k}s" for k in kinds),
+             "received", "minimum", "ratio", f"widest halo ({sides})")]
     for (stage, t), module in sorted(info.tiles.items()):
         got = need = 0
         widest: tuple[int, ...] = ()
-        kinds: dict[str, int] = {}
+        pieces: dict[str, int] = {}
         halos = [m for m in module.modules()
                  if isinstance(m, (Halo, HaloOp)) and not m.replicated]
         for h in halos:
@@ -157,15 +159,16 @@ def halo_table(program: Program) -> str:
             widest = tuple(max(a, b) for a, b in zip(widest or ex.halo_widths(),
                                                       ex.halo_widths(), strict=True))
             for kind, (count, _cells) in ex.pieces_by_kind().items():
-                kinds[kind] = kinds.get(kind, 0) + count
+                pieces[kind] = pieces.get(kind, 0) + count
         block = str(grid.tile_rect(image, t)) if stage == 0 and image is not None else "-"
-        pieces = "/".join(str(kinds.get(k, 0)) for k in ("face", "edge", "corner")[:grid.ndim])
         ratio = f"{got / need:.2f}" if need else "-"
-        rows.append((str(stage), str(t), block, str(len(halos)), pieces, nbytes(got),
+        rows.append((str(stage), str(t), block, str(len(halos)),
+                     "/".join(str(pieces.get(k, 0)) for k in kinds), nbytes(got),
                      nbytes(need), ratio, " ".join(map(str, widest))))
     lines += _columns(rows, right={3, 5, 6, 7})
-    lines.append("(bytes per micro-batch forward; the backward sends the same amount back; "
-                 "face/edge/corner: received pieces beyond the tile along 1/2/3 dims)")
+    lines.append(f"(bytes per micro-batch forward; the backward sends the same amount back; "
+                 f"{'/'.join(f'{k}s' for k in kinds)}: pieces received from tiles beyond this "
+                 f"one along {'/'.join(str(i + 1) for i in range(len(kinds)))} dims)")
     return "\n".join(lines)
 
 

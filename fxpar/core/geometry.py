@@ -211,19 +211,24 @@ class Exchange:
         return sum(r.size for _, r in self.recvs)
 
     def pieces_by_kind(self) -> dict[str, tuple[int, int]]:
-        """The received pieces by what they touch of the own tile: ``face`` (beyond it along
-        one dim), ``edge`` (two), ``corner`` (three): (pieces, cells) of each."""
+        """The received pieces by how they touch the own tile, (pieces, cells) of each: on a
+        volume ``face``, ``edge``, ``corner`` (beyond the tile along one, two, three dims), on
+        an image ``side`` and ``corner`` (:func:`piece_kinds`)."""
         out: dict[str, tuple[int, int]] = {}
+        names = piece_kinds(self.own.ndim)
         for _, r in self.recvs:
             beyond = sum(1 for a, o in zip(r.dims, self.own.dims, strict=True)
                          if a[1] <= o[0] or a[0] >= o[1])
-            kind = KINDS_BEYOND.get(beyond, f"{beyond}-d corner")
+            kind = names[beyond - 1] if 0 < beyond <= len(names) else "inside"
             n, cells = out.get(kind, (0, 0))
             out[kind] = (n + 1, cells + r.size)
         return out
 
 
-KINDS_BEYOND = {0: "inside", 1: "face", 2: "edge", 3: "corner"}
+def piece_kinds(ndim: int) -> tuple[str, ...]:
+    """Names of halo pieces beyond a tile along 1, 2, ... dims: a volume's faces, edges and
+    corners; an image's sides and corners."""
+    return ("side", "corner") if ndim == 2 else ("face", "edge", "corner")[:max(ndim, 1)]
 
 
 def exchange(grid: Grid, extent: tuple[int, ...], needs: list[Rect], t: int,
