@@ -145,7 +145,7 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 class Coverage:
     """How much of the model's work the spatial region spreads over the tiles (forward FLOPs,
     from the analysis): ``tiled`` of ``image``, where ``image`` counts every op that reads or
-    makes an image tensor (4-D, H and W at least the tile grid): what a spatial plan could
+    makes an image or volume tensor (4-D or 5-D, at least the tile grid): what a spatial plan could
     split. The classifier head (flatten, linear) and squeeze-excite's 1x1 maps are outside
     both. ``ended``: why the region ends early ('' if it covers every image op)."""
 

@@ -438,9 +438,7 @@ def test_cli_runs_a_saved_volume_program(tmp_path, capsys):
     prog = tmp_path / "prog"
     assert run.main([*argv, "--save-program", str(prog)]) == 0
     windows = json.loads((prog / "program.json").read_text())["input_windows"]
-    if windows is not None and len(windows[0]) != 3:
-        pytest.xfail(f"fxpar/io/emit.py records the input windows as {windows}: only H and W "
-                     f"of each window (_windows writes [w.h, w.w], not w.dims)")
+    assert windows is not None and all(len(w) == 3 for w in windows), windows  # D, H, W
     capsys.readouterr()
     assert run.main([str(prog), "--data", str(tmp_path / "data"), "--steps", "1",
                      "--device", "cpu"]) == 0, capsys.readouterr().err
