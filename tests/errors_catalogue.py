@@ -143,6 +143,9 @@ CATALOGUE: list[Entry] = [
           "for an image.",
           lambda: build(Plan(grid=(2, 2)), shape=(2, 3, 8, 8, 8),
                         model=nn.Sequential(nn.Conv3d(3, 4, 3, padding=1), nn.ReLU()))),
+    Entry("plan-recompute", "plan", "an unknown activation recompute mode", PlanError,
+          r"Plan\.recompute must be one of", 'Use recompute="never", "always" or "except_last" '
+          "(fxpar-run: --recompute).", lambda: Plan(recompute="auto")),
     Entry("plan-gems-flag", "plan", "gems is not a bool", PlanError,
           r"Plan\.gems must be True or False", "Pass gems=True or gems=False.",
           lambda: Plan(gems=1)),
@@ -169,8 +172,8 @@ CATALOGUE: list[Entry] = [
           lambda: Plan(stages=2, balance=(20, 20, 29))),
     Entry("plan-unknown-field", "plan", "a misspelt Plan field", TypeError,
           r"unexpected keyword argument", "Use the field names of fxpar.Plan (stages, balance, "
-          "microbatches, schedule, spatial_parts, slice, spatial_stages, gems, gems_times, "
-          "data_parallel); Plan takes keywords only.",
+          "microbatches, schedule, spatial_parts, slice, grid, spatial_stages, gems, "
+          "gems_times, data_parallel, recompute, strict); Plan takes keywords only.",
           lambda: Plan(stage=2)),
     Entry("plan-not-a-plan", "plan", "build() is given something else than a Plan",
           TypeError, r"needs plan=fxpar\.Plan", "Build the plan with fxpar.Plan(**fields).",

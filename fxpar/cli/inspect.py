@@ -32,7 +32,7 @@ from fxpar.compiler.memory import memory_table
 from fxpar.compiler.passdriver import HALO, TRACE, dump
 from fxpar.compiler.report import halo_table, node_table, rank_table, stage_table, totals_line
 from fxpar.compiler.simulate import simulate, stage_costs
-from fxpar.core.plan import SCHEDULES, SLICES, Plan, PlanError
+from fxpar.core.plan import RECOMPUTE, SCHEDULES, SLICES, Plan, PlanError
 from fxpar.core.schedule import format_grid
 from fxpar.frontend.trace import TraceError, trace
 from fxpar.io.metrics import load_metrics
@@ -72,6 +72,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--gems", action="store_true", help="bidirectional GEMS mirror copy")
     g.add_argument("--times", "--gems-times", type=int, default=1)
     g.add_argument("--data-parallel", "--local-DP", type=int, default=1)
+    g.add_argument("--recompute", choices=RECOMPUTE, default="never",
+                   help="activation recompute per stage: always, except_last (--memory)")
     v = p.add_argument_group("views (each replaces the default report)")
     v.add_argument("--after", metavar="PASS", help=f"print the graph after PASS, one of: "
                    f"{', '.join(PASS_NAMES)} (halo: the tile modules, tile 0 or --rank's)")
@@ -213,7 +215,8 @@ def _main(args: argparse.Namespace) -> int:
                     microbatches=args.microbatches, schedule=args.schedule,
                     spatial_parts=args.spatial_parts, slice=args.slice, grid=args.grid,
                     spatial_stages=args.spatial_stages, gems=args.gems,
-                    gems_times=args.times, data_parallel=args.data_parallel)
+                    gems_times=args.times, data_parallel=args.data_parallel,
+                    recompute=args.recompute)
         # the model is on meta; inspecting never computes with weights, so a rank's modules
         # get memory without values (no reset_parameters: a module with none is fine here)
         program = fx_compile(model, plan, example, after_pass=after_pass,

@@ -36,7 +36,7 @@ from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import compile as fx_compile
 from fxpar.core.geometry import Rect
-from fxpar.core.plan import SCHEDULES, SLICES, Plan, PlanError
+from fxpar.core.plan import RECOMPUTE, SCHEDULES, SLICES, Plan, PlanError
 from fxpar.frontend.trace import TraceError
 from fxpar.io.checkpoint import CheckpointError
 from fxpar.io.data import (
@@ -60,7 +60,8 @@ PLAN_FLAGS = (("stages", "--stages/--split-size", 1), ("balance", "--balance", N
               ("spatial_parts", "--spatial-parts/--num-spatial-parts", 1),
               ("slice", "--slice/--slice-method", "square"), ("grid", "--grid", None),
               ("spatial_stages", "--spatial-stages/--spatial-size", 1), ("gems", "--gems", False),
-              ("times", "--times", 1), ("data_parallel", "--data-parallel/--local-DP", 1))
+              ("times", "--times", 1), ("data_parallel", "--data-parallel/--local-DP", 1),
+              ("recompute", "--recompute", "never"))
 MODEL_FLAGS = (("model_arg", "-k"), ("num_layers", "--num-layers"),
                ("num_filters", "--num-filters"))
 USER_ERRORS = (PlanError, ModelSpecError, TraceError, DataError, CheckpointError, ValueError,
@@ -136,6 +137,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--gems", action="store_true", default=None)
     g.add_argument("--times", "--gems-times", type=int, help="[--times] default 1")
     g.add_argument("--data-parallel", "--local-DP", type=int, help="[--local-DP] default 1")
+    g.add_argument("--recompute", choices=RECOMPUTE,
+                   help="activation recompute per stage (default never): always, except_last")
     return p
 
 
@@ -150,7 +153,8 @@ def plan_from_args(a: argparse.Namespace) -> Plan:
     return Plan(stages=v["stages"], balance=balance, microbatches=v["microbatches"],
                 schedule=v["schedule"], spatial_parts=v["spatial_parts"], slice=v["slice"],
                 grid=v["grid"], spatial_stages=v["spatial_stages"], gems=v["gems"],
-                gems_times=v["times"], data_parallel=v["data_parallel"])
+                gems_times=v["times"], data_parallel=v["data_parallel"],
+                recompute=v["recompute"])
 
 
 def input_size(a: argparse.Namespace) -> tuple[int, ...]:

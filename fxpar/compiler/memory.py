@@ -32,6 +32,7 @@ from fxpar.core.stages import Transfer
 from fxpar.core.units import nbytes
 from fxpar.passes.spatial_region import SpatialLayout
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
+from fxpar.runtime.recompute import recomputed_stages
 from fxpar.runtime.spatial.ops import Halo, HaloOp
 
 if TYPE_CHECKING:
@@ -41,7 +42,8 @@ HEADER = ("estimated peak memory per rank\n"
           "  optimizer state: SGD with momentum = 1x the trainable parameters; params include "
           "buffers\n"
           "  activations: one micro-batch's node outputs x micro-batches in flight (GPipe: m, "
-          "1F1B: min(m, stages - stage)); spatial stages: 1/P of tiled outputs + halos\n"
+          "1F1B: min(m, stages - stage)); spatial stages: 1/P of tiled outputs + halos; "
+          "recomputed stages: one micro-batch + the halos of those in flight\n"
           "  received: inputs from earlier stages per micro-batch in flight + one micro-batch "
           "of gradients\n"
           "  not counted: the input batch, temporaries inside ops, allocator overhead")
@@ -101,7 +103,29 @@ def halo_bytes(module: fx.GraphModule) -> int:
 
 
 def activation_bytes(program: Program, stage: int, tile: int = 0) -> int:
-    """Bytes of one micro-batch's node outputs on one rank of ``stage``."""
+    """Bytes of one micro-batch's node outputs on one rank of ``stage`` (halos included)."""
+    return _node_bytes(program, stage) + _halo_part(program, stage, tile)
+
+
+def _halo_part(program: Program, stage: int, tile: int) -> int:
+    if program.spatial is not None and stage < program.spatial.spatial_stages:
+        return halo_bytes(program.spatial.tile(stage, tile))
+    return 0
+
+
+def kept_bytes(program: Program, stage: int, tile: int = 0) -> int:
+    """Activations one rank of ``stage`` keeps at its peak: one micro-batch's node outputs per
+    micro-batch in flight; with ``Plan.recompute`` on that stage, only one micro-batch's (the
+    one being recomputed) plus the halo pieces each micro-batch in flight received (kept to
+    replay them, fxpar.runtime.recompute)."""
+    flight = in_flight(program, stage)
+    nodes, halos = _node_bytes(program, stage), _halo_part(program, stage, tile)
+    if stage in recomputed_stages(program.plan.recompute, program.plan.stages):
+        return nodes + halos * flight
+    return (nodes + halos) * flight
+
+
+def _node_bytes(program: Program, stage: int) -> int:
     gm = program.traced
     assert gm is not None, "the program has no analysed graph"
     parts = program.plan.group_size(stage)
@@ -113,8 +137,6 @@ def activation_bytes(program: Program, stage: int, tile: int = 0) -> int:
         lay = meta.find(n, SpatialLayout)
         if c is not None:
             total += c.out_bytes / (parts if lay is not None and lay.tiled else 1)
-    if program.spatial is not None and stage < program.spatial.spatial_stages:
-        total += halo_bytes(program.spatial.tile(stage, tile))
     return int(total)
 
 
@@ -150,8 +172,7 @@ def estimate(program: Program) -> list[RankMemory]:
             trainable = _tensor_bytes([p for p in module.parameters() if p.requires_grad])
             sums[0] += _tensor_bytes([*module.parameters(), *module.buffers()])
             sums[1] += trainable
-            sums[2] += activation_bytes(program, role.stage, role.tile) * \
-                in_flight(program, role.stage)
+            sums[2] += kept_bytes(program, role.stage, role.tile)
             sums[3] += received_bytes(program, role.stage, role.tile)
             names.append(f"c{role.copy}.s{role.stage}" +
                          (f".t{role.tile}" if program.plan.group_size(role.stage) > 1 else ""))

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 SCHEDULES = ("gpipe", "1f1b")
 SLICES = ("vertical", "horizontal", "square", "slab", "pencil", "cube")
+RECOMPUTE = ("never", "always", "except_last")
 
 
 class PlanError(ValueError):
@@ -73,6 +74,12 @@ class Plan:
     data_parallel: int = 1
     """Copies of the whole layout, each on its own ranks and its own part of the batch; 1 means
     no data parallelism. [--local-DP]"""
+    recompute: Literal["never", "always", "except_last"] = "never"
+    """Activation recompute per stage (torchgpipe's checkpoint modes): "always" runs every
+    stage's forward without keeping activations for backward and runs it again, with autograd,
+    right before the stage's backward; "except_last" all stages but the last; "never" keeps
+    them (the default). A recomputed spatial stage replays the halos and statistics its first
+    forward received: no extra messages (fxpar.runtime.recompute)."""
     strict: bool = False
     """Spatial plans: raise (instead of warning) when the spatial region covers less than
     ``fxpar.COVERAGE_WARN`` of the forward FLOPs on image tensors, e.g. because an op without
@@ -123,6 +130,8 @@ class Plan:
                    "data_parallel")])
         if self.schedule not in SCHEDULES:
             out.append(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.recompute not in RECOMPUTE:
+            out.append(f"Plan.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.slice not in SLICES:
             out.append(f"Plan.slice must be one of {SLICES}, got {self.slice!r}")
         if not isinstance(self.gems, bool):

@@ -37,6 +37,7 @@ from fxpar.core.stages import StageGraph
 from fxpar.io.groups import communicators, stage_syncs, tile_groups
 from fxpar.runtime.loop import LossFn, Runtime, StepState, Tiling
 from fxpar.runtime.materialize import InitFn, materialize_rank
+from fxpar.runtime.recompute import recomputed_stages
 from fxpar.runtime.spatial.ops import Join, group_key
 from fxpar.runtime.spatial.tags import max_tag
 
@@ -240,7 +241,7 @@ class RankProgram:
             program.schedule, program.loss_fn, self.optimizer, comm, chunks_per_copy(plan),
             self._tiling(),
             chunk=lambda copy, mb: first_chunk(plan, dp, copy) + mb,
-            sync=self._sync)
+            sync=self._sync, recompute=recomputed_stages(plan.recompute, plan.stages))
 
     def _merge_stats(self) -> bool:
         return self.plan.copies > 1 or self.plan.data_parallel > 1

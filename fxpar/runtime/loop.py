@@ -40,6 +40,7 @@ from fxpar.core.geometry import Grid, Rect
 from fxpar.core.messages import Message, messages, transfer_kind
 from fxpar.core.schedule import Action, Schedule, format_grid
 from fxpar.core.stages import StageGraph, Transfer
+from fxpar.runtime.recompute import Record, buffers, recording, replaying, restore
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Key = tuple[int, int, int]  # (copy, stage, micro-batch)
@@ -91,6 +92,8 @@ class StepState:
     recv_b: dict[Key, list[Posted]] = field(default_factory=dict)
     grads: dict[Key, list[torch.Tensor | None]] = field(default_factory=dict)
     sends: list[Request] = field(default_factory=list)
+    records: dict[Key, Record] = field(default_factory=dict)
+    """Recomputed stages: what their first forward exchanged (fxpar.runtime.recompute)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,9 @@ class Runtime:
     """When a list, every action run appends its :class:`ActionTime` (see the module doc)."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Where receive buffers and zero gradients are made (the stage modules' device)."""
+    recompute: frozenset[int] = frozenset()
+    """Stages whose forward runs without autograd at F and again, with it, at B
+    (``Plan.recompute``; fxpar.runtime.recompute)."""
     _waited: float = field(default=0.0, repr=False)
 
     def run(self, state: StepState, actions: list[Action] | None = None) -> None:
@@ -230,24 +236,63 @@ class Runtime:
         if st.train and self.graph.mutated_inputs:
             ins = [x.clone() if i in self.graph.mutated_inputs[a.stage] and x.requires_grad
                    else x for i, x in enumerate(ins)]
+        if st.train and a.stage in self.recompute:  # nothing saved: the B recomputes it
+            with torch.no_grad(), recording(module, self.device) as st.records[key]:
+                outs = self._run(a, st, module, ins)
+            st.outputs[key] = outs
+            return
         with torch.set_grad_enabled(st.train):
-            outs = module(*ins)
-        if a.stage == len(self.graph.modules) - 1:
-            result = outs[0]
-            if not st.train:
-                st.results[self.chunk(a.copy, a.mb)] = result
-                return
-            loss = self.loss_fn(result, self._target(a, st.y_chunks[self.chunk(a.copy, a.mb)]))
-            scale = st.scale * self._loss_share(a)
-            if scale != 1.0:
-                loss = loss * scale
+            st.outputs[key] = self._run(a, st, module, ins)
+
+    def _run(self, a: Action, st: StepState, module: fx.GraphModule,
+             ins: list[torch.Tensor]) -> tuple[Any, ...]:
+        """The stage's outputs; for the last stage in training, its scaled loss, recorded once
+        per step (not again when a recompute runs it a second time)."""
+        outs = module(*ins)
+        if a.stage != len(self.graph.modules) - 1:
+            return outs
+        result = outs[0]
+        if not st.train:
+            st.results[self.chunk(a.copy, a.mb)] = result
+            return outs
+        loss = self.loss_fn(result, self._target(a, st.y_chunks[self.chunk(a.copy, a.mb)]))
+        scale = st.scale * self._loss_share(a)
+        if scale != 1.0:
+            loss = loss * scale
+        if not (torch.is_grad_enabled() and (a.copy, a.stage, a.mb) in st.records):
             st.losses.append(loss.detach())
-            outs = (loss,)
-        st.outputs[key] = outs
+        return (loss,)
+
+    def _recompute(self, a: Action, st: StepState) -> tuple[Any, ...]:
+        """A recomputed stage's forward again, with autograd, replaying its first forward's
+        exchanges (fxpar.runtime.recompute); its buffers go back after the backward."""
+        key = (a.copy, a.stage, a.mb)
+        module = self.stages[(a.copy, a.stage)]
+        ins = st.inputs[key]
+        if self.graph.mutated_inputs:
+            ins = [x.clone() if i in self.graph.mutated_inputs[a.stage] and x.requires_grad
+                   else x for i, x in enumerate(ins)]
+        with torch.enable_grad(), replaying(module, st.records[key]):
+            outs = self._run(a, st, module, ins)
+        del st.records[key]
+        return outs
 
     def _backward(self, a: Action, st: StepState) -> None:
         key = (a.copy, a.stage, a.mb)
         outs = st.outputs.pop(key)
+        if key in st.records:
+            module = self.stages[(a.copy, a.stage)]
+            saved = buffers(module)
+            outs = self._recompute(a, st)
+            try:
+                self._backward_of(a, st, outs)
+            finally:
+                restore(module, saved)
+            return
+        self._backward_of(a, st, outs)
+
+    def _backward_of(self, a: Action, st: StepState, outs: tuple[Any, ...]) -> None:
+        key = (a.copy, a.stage, a.mb)
         if a.stage == len(self.graph.modules) - 1:
             outs[0].backward()
         else:
