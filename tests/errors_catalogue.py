@@ -144,8 +144,16 @@ CATALOGUE: list[Entry] = [
           lambda: build(Plan(grid=(2, 2)), shape=(2, 3, 8, 8, 8),
                         model=nn.Sequential(nn.Conv3d(3, 4, 3, padding=1), nn.ReLU()))),
     Entry("plan-recompute", "plan", "an unknown activation recompute mode", PlanError,
-          r"Plan\.recompute must be one of", 'Use recompute="never", "always" or "except_last" '
-          "(fxpar-run: --recompute).", lambda: Plan(recompute="auto")),
+          r"Plan\.recompute must be one of", 'Use recompute="never", "always", "except_last" or '
+          '"auto" (fxpar-run: --recompute).', lambda: Plan(recompute="sometimes")),
+    Entry("plan-recompute-budget", "plan", 'recompute="auto" without a memory budget',
+          PlanError, r'recompute="auto" chooses the stages to recompute for a memory budget',
+          "Give memory_per_rank in bytes (fxpar-run: --memory-per-rank 4GiB), or choose the "
+          'stages yourself with "always" / "except_last".', lambda: Plan(recompute="auto")),
+    Entry("plan-memory-budget", "plan", "memory_per_rank is not a positive number of bytes",
+          PlanError, r"Plan\.memory_per_rank must be a number of bytes",
+          "Give bytes as an integer, e.g. 4 * 2**30 for 4 GiB.",
+          lambda: Plan(memory_per_rank="4GB")),
     Entry("plan-gems-flag", "plan", "gems is not a bool", PlanError,
           r"Plan\.gems must be True or False", "Pass gems=True or gems=False.",
           lambda: Plan(gems=1)),

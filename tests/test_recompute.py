@@ -32,7 +32,7 @@ def test_plan_field_and_stages():
     assert recomputed_stages("except_last", 1) == frozenset()
     assert recomputed_stages("never", 3) == frozenset()
     with pytest.raises(PlanError, match=r"Plan.recompute must be one of \('never', 'always', "
-                                        r"'except_last'\), got 'sometimes'"):
+                                        r"'except_last', 'auto'\), got 'sometimes'"):
         fxpar.Plan(recompute="sometimes")
     plan = fxpar.Plan(stages=2, recompute="except_last")
     assert fxpar.Plan(**plan.to_json()) == plan
@@ -51,3 +51,66 @@ def test_memory_estimate_keeps_one_microbatch_of_a_recomputed_stage():
     # GPipe keeps all 4 micro-batches' activations; recompute keeps one
     assert always[0].activations * 4 == plain[0].activations
     assert always[0].params == plain[0].params and always[0].received == plain[0].received
+
+
+def _three_convs():
+    from torch import nn
+
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+
+
+def test_auto_recomputes_what_the_budget_needs_and_warns_when_nothing_fits(tmp_path):
+    import warnings
+
+    import torch
+
+    from fxpar.compiler.memory import MemoryWarning, memory_table
+    from fxpar.io.loader import load
+
+    x = torch.empty(8, 3, 64, 64, device="meta")
+    model = _three_convs()
+
+    def compiled(**kw):
+        return fxpar.compile(model, fxpar.Plan(stages=2, microbatches=4, **kw), x)
+
+    never = estimate(compiled())
+    always = estimate(compiled(recompute="always"))
+    # a budget between the two: only the ranks over it get recompute
+    over = max(never, key=lambda m: m.total)
+    under = min(never, key=lambda m: m.total)
+    budget = (under.total + over.total) // 2
+    assert always[over.rank].total < budget < over.total and under.total <= budget
+    program = compiled(recompute="auto", memory_per_rank=budget)
+    stage_of = {m.rank: program.rank_map.roles_of(m.rank)[0].stage for m in never}
+    assert program.recompute == {stage_of[over.rank]}
+    assert all(m.total <= budget for m in estimate(program))
+    assert "recomputed stages (auto): " in memory_table(program)
+    assert compiled(recompute="auto", memory_per_rank=10**12).recompute == frozenset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tight = compiled(recompute="auto", memory_per_rank=1000)
+    assert tight.recompute == {0, 1}
+    assert [str(w.message) for w in seen if w.category is MemoryWarning][0].startswith(
+        "memory_per_rank=1000 B: rank ")
+    # the choice is part of the saved program
+    program.save(tmp_path / "job")
+    assert load(tmp_path / "job", rank=0).program.recompute == program.recompute
+    with pytest.raises(PlanError, match='recompute="auto" chooses the stages to recompute '
+                                        'for a memory budget: give memory_per_rank'):
+        fxpar.Plan(recompute="auto")
+    with pytest.raises(PlanError, match="Plan.memory_per_rank must be a number of bytes"):
+        fxpar.Plan(memory_per_rank=-1)
+
+
+def test_memory_per_rank_flag_takes_units():
+    import argparse
+
+    from fxpar.cli.args import bytes_arg
+
+    assert bytes_arg("4GiB") == 4 * 2**30 and bytes_arg("512MiB") == 512 * 2**20
+    assert bytes_arg("1.5G") == int(1.5 * 2**30) and bytes_arg("4GB") == 4 * 10**9
+    assert bytes_arg("1000") == 1000
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
+        bytes_arg("lots")

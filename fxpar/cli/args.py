@@ -27,3 +27,25 @@ def grid_arg(text: str) -> tuple[int, ...]:
             f"--grid {text}: give tiles per spatial dim, HxW or DxHxW (e.g. --grid 1x{grid[0]}"
             f"); for {grid[0]} tiles cut by --slice use --spatial-parts {grid[0]}")
     return grid
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20,
+          "mb": 10**6, "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40,
+          "tb": 10**12}
+
+
+def bytes_arg(text: str) -> int:
+    """``--memory-per-rank``: bytes, with an optional unit: 4GiB, 512MiB, 1.5G (binary), 4GB
+    (decimal)."""
+    t = text.strip().lower().replace(" ", "")
+    number = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(number):]
+    try:
+        value = int(float(number) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes with an optional unit, e.g. 4GiB, 512MiB, "
+            f"1.5G, 4000000000") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be at least 1 byte")
+    return value

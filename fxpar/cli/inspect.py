@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx, nn
 
-from fxpar.cli.args import grid_arg, image_size_arg
+from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg
 from fxpar.compiler import draw
 from fxpar.compiler.driver import PASSES, links_of
 from fxpar.compiler.driver import compile as fx_compile
@@ -73,7 +73,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--times", "--gems-times", type=int, default=1)
     g.add_argument("--data-parallel", "--local-DP", type=int, default=1)
     g.add_argument("--recompute", choices=RECOMPUTE, default="never",
-                   help="activation recompute per stage: always, except_last (--memory)")
+                   help="activation recompute per stage: always, except_last, auto (with "
+                   "--memory-per-rank); --memory shows the effect")
+    g.add_argument("--memory-per-rank", type=bytes_arg, metavar="SIZE", default=None,
+                   help="memory budget per rank for --recompute auto, e.g. 4GiB")
     v = p.add_argument_group("views (each replaces the default report)")
     v.add_argument("--after", metavar="PASS", help=f"print the graph after PASS, one of: "
                    f"{', '.join(PASS_NAMES)} (halo: the tile modules, tile 0 or --rank's)")
@@ -216,7 +219,7 @@ def _main(args: argparse.Namespace) -> int:
                     spatial_parts=args.spatial_parts, slice=args.slice, grid=args.grid,
                     spatial_stages=args.spatial_stages, gems=args.gems,
                     gems_times=args.times, data_parallel=args.data_parallel,
-                    recompute=args.recompute)
+                    recompute=args.recompute, memory_per_rank=args.memory_per_rank)
         # the model is on meta; inspecting never computes with weights, so a rank's modules
         # get memory without values (no reset_parameters: a module with none is fine here)
         program = fx_compile(model, plan, example, after_pass=after_pass,

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fxpar.cli.args import grid_arg, image_size_arg
+from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg
 from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import compile as fx_compile
@@ -61,7 +61,8 @@ PLAN_FLAGS = (("stages", "--stages/--split-size", 1), ("balance", "--balance", N
               ("slice", "--slice/--slice-method", "square"), ("grid", "--grid", None),
               ("spatial_stages", "--spatial-stages/--spatial-size", 1), ("gems", "--gems", False),
               ("times", "--times", 1), ("data_parallel", "--data-parallel/--local-DP", 1),
-              ("recompute", "--recompute", "never"))
+              ("recompute", "--recompute", "never"),
+              ("memory_per_rank", "--memory-per-rank", None))
 MODEL_FLAGS = (("model_arg", "-k"), ("num_layers", "--num-layers"),
                ("num_filters", "--num-filters"))
 USER_ERRORS = (PlanError, ModelSpecError, TraceError, DataError, CheckpointError, ValueError,
@@ -138,7 +139,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--times", "--gems-times", type=int, help="[--times] default 1")
     g.add_argument("--data-parallel", "--local-DP", type=int, help="[--local-DP] default 1")
     g.add_argument("--recompute", choices=RECOMPUTE,
-                   help="activation recompute per stage (default never): always, except_last")
+                   help="activation recompute per stage (default never): always, except_last, "
+                   "or auto (the stages the memory estimate needs for --memory-per-rank)")
+    g.add_argument("--memory-per-rank", type=bytes_arg, metavar="SIZE",
+                   help="memory budget per rank for --recompute auto, e.g. 4GiB")
     return p
 
 
@@ -154,7 +158,7 @@ def plan_from_args(a: argparse.Namespace) -> Plan:
                 schedule=v["schedule"], spatial_parts=v["spatial_parts"], slice=v["slice"],
                 grid=v["grid"], spatial_stages=v["spatial_stages"], gems=v["gems"],
                 gems_times=v["times"], data_parallel=v["data_parallel"],
-                recompute=v["recompute"])
+                recompute=v["recompute"], memory_per_rank=v["memory_per_rank"])
 
 
 def input_size(a: argparse.Namespace) -> tuple[int, ...]:

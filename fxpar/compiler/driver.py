@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import warnings
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxpar.compiler.lower import check, lower
+from fxpar.compiler.memory import choose_recompute
 from fxpar.compiler.passdriver import HALO, run_passes
 from fxpar.compiler.simulate import interleave
 from fxpar.compiler.stages import build_stages
@@ -37,6 +39,7 @@ from fxpar.passes.spatial_region import (
 from fxpar.passes.split_stages import model_output, split_stages
 from fxpar.runtime.loop import LossFn
 from fxpar.runtime.materialize import InitFn, meta_model_of
+from fxpar.runtime.recompute import recomputed_stages
 from fxpar.runtime.spatial.ops import group_key
 from fxpar.runtime.spatial.tags import max_tag
 from fxpar.runtime.sync import sync_problems
@@ -219,9 +222,15 @@ def compile(  # noqa: A001 - the public name the design fixes
     schedule = rank_schedules(rank_map, links_of(graph))
     check(lower(schedule, graph, rank_map, spatial.grid if spatial is not None else None),
           schedule)  # matching and deadlock, every rank
-    return Program(plan=plan, rank_map=rank_map, graph=graph, schedule=schedule,
-                   loss_fn=loss_fn, optimizer=optimizer, batch_size=int(shape[0]),
-                   names=tuple(model.state_dict().keys()), traced=gm, spatial=spatial,
-                   meta_model=meta_model_of(model, init), init=init, seed=seed,
-                   input_windows=rank_windows(gm, graph, rank_map,
-                                              spatial.grid if spatial is not None else None))
+    program = Program(plan=plan, rank_map=rank_map, graph=graph, schedule=schedule,
+                      loss_fn=loss_fn, optimizer=optimizer, batch_size=int(shape[0]),
+                      names=tuple(model.state_dict().keys()), traced=gm, spatial=spatial,
+                      meta_model=meta_model_of(model, init), init=init, seed=seed,
+                      input_windows=rank_windows(gm, graph, rank_map,
+                                                 spatial.grid if spatial is not None else None),
+                      recompute=recomputed_stages(plan.recompute, plan.stages))
+    if plan.recompute == "auto":
+        assert plan.memory_per_rank is not None  # Plan validates it
+        program = dataclasses.replace(program,
+                                      recompute=choose_recompute(program, plan.memory_per_rank))
+    return program

@@ -18,6 +18,8 @@ Not counted: the model input batch, temporaries inside an op, allocator overhead
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,7 +34,6 @@ from fxpar.core.stages import Transfer
 from fxpar.core.units import nbytes
 from fxpar.passes.spatial_region import SpatialLayout
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
-from fxpar.runtime.recompute import recomputed_stages
 from fxpar.runtime.spatial.ops import Halo, HaloOp
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ def kept_bytes(program: Program, stage: int, tile: int = 0) -> int:
     replay them, fxpar.runtime.recompute)."""
     flight = in_flight(program, stage)
     nodes, halos = _node_bytes(program, stage), _halo_part(program, stage, tile)
-    if stage in recomputed_stages(program.plan.recompute, program.plan.stages):
+    if stage in program.recompute:
         return nodes + halos * flight
     return (nodes + halos) * flight
 
@@ -192,4 +193,41 @@ def memory_table(program: Program) -> str:
     lines = ["  ".join(v.ljust(w) if k == 1 else v.rjust(w)
                        for k, (v, w) in enumerate(zip(r, widths, strict=True))).rstrip()
              for r in rows]
-    return "\n".join([HEADER, *lines])
+    head = HEADER
+    if program.recompute:
+        head += (f"\n  recomputed stages ({program.plan.recompute}): "
+                 f"{', '.join(map(str, sorted(program.recompute)))}")
+    return "\n".join([head, *lines])
+
+
+class MemoryWarning(UserWarning):
+    """A plan whose estimated memory per rank exceeds ``Plan.memory_per_rank`` even with every
+    stage recomputed."""
+
+
+def choose_recompute(program: Program, budget: int) -> frozenset[int]:
+    """``Plan(recompute="auto")``: the stages to recompute so that every rank's estimate fits
+    ``budget`` bytes. Greedy: while a rank is over, recompute the stage it holds that saves the
+    most; none when everything fits. Warns (MemoryWarning) when recomputing every stage is not
+    enough, naming the rank and what it needs."""
+    chosen: frozenset[int] = frozenset()
+    while True:
+        trial = dataclasses.replace(program, recompute=chosen)
+        over = [m for m in estimate(trial) if m.total > budget]
+        if not over:
+            return chosen
+        worst = max(over, key=lambda m: m.total)
+        held = {role.stage for role in program.rank_map.roles_of(worst.rank)} - chosen
+        if not held:
+            warnings.warn(
+                f"memory_per_rank={nbytes(budget)}: rank {worst.rank} needs about "
+                f"{nbytes(worst.total)} even with every stage it holds recomputed "
+                f"({nbytes(worst.params + worst.grads + worst.optimizer)} of parameters, "
+                f"gradients and optimizer state, {nbytes(worst.activations)} of activations): "
+                f"use more stages or spatial parts, fewer micro-batches in flight, or a larger "
+                f"budget", MemoryWarning, stacklevel=3)
+            return chosen
+        now = sum(m.total for m in estimate(trial))
+        saving = {s: now - sum(m.total for m in estimate(
+            dataclasses.replace(program, recompute=chosen | {s}))) for s in sorted(held)}
+        chosen = chosen | {max(saving, key=lambda s: saving[s])}

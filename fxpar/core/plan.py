@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 SCHEDULES = ("gpipe", "1f1b")
 SLICES = ("vertical", "horizontal", "square", "slab", "pencil", "cube")
-RECOMPUTE = ("never", "always", "except_last")
+RECOMPUTE = ("never", "always", "except_last", "auto")
 
 
 class PlanError(ValueError):
@@ -74,12 +74,16 @@ class Plan:
     data_parallel: int = 1
     """Copies of the whole layout, each on its own ranks and its own part of the batch; 1 means
     no data parallelism. [--local-DP]"""
-    recompute: Literal["never", "always", "except_last"] = "never"
+    recompute: Literal["never", "always", "except_last", "auto"] = "never"
     """Activation recompute per stage (torchgpipe's checkpoint modes): "always" runs every
     stage's forward without keeping activations for backward and runs it again, with autograd,
     right before the stage's backward; "except_last" all stages but the last; "never" keeps
-    them (the default). A recomputed spatial stage replays the halos and statistics its first
-    forward received: no extra messages (fxpar.runtime.recompute)."""
+    them (the default); "auto" recomputes the stages the memory estimate says must be, for
+    ``memory_per_rank``. A recomputed spatial stage replays the halos and statistics its
+    first forward received: no extra messages (fxpar.runtime.recompute)."""
+    memory_per_rank: int | None = None
+    """Bytes each rank may hold (parameters, gradients, optimizer state, activations, received
+    tensors, as ``fxpar-inspect --memory`` estimates them); used by ``recompute="auto"``."""
     strict: bool = False
     """Spatial plans: raise (instead of warning) when the spatial region covers less than
     ``fxpar.COVERAGE_WARN`` of the forward FLOPs on image tensors, e.g. because an op without
@@ -132,6 +136,15 @@ class Plan:
             out.append(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.recompute not in RECOMPUTE:
             out.append(f"Plan.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        budget = self.memory_per_rank
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 1):
+            out.append(f"Plan.memory_per_rank must be a number of bytes >= 1 (e.g. 4 * 2**30 "
+                       f"for 4 GiB), got {budget!r}")
+        if self.recompute == "auto" and budget is None:
+            out.append('Plan.recompute="auto" chooses the stages to recompute for a memory '
+                       'budget: give memory_per_rank (bytes per rank), or choose "always" / '
+                       '"except_last"')
         if self.slice not in SLICES:
             out.append(f"Plan.slice must be one of {SLICES}, got {self.slice!r}")
         if not isinstance(self.gems, bool):

@@ -333,6 +333,7 @@ def program_json(program: Program) -> dict[str, Any]:
         "ranks": [{"rank": r, "folder": rank_folder(r), "roles": _roles(program, r)}
                   for r in range(program.world_size)],
         "input_windows": _windows(program),
+        "recompute": sorted(program.recompute),
     }
 
 

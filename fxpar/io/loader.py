@@ -98,7 +98,8 @@ def load(folder: str | os.PathLike[str], comm: Comm | None = None, *,
                                 for r in range(n)},
                       loss_fn=loss_fn, optimizer=optimizer, batch_size=int(info["batch_size"]),
                       names=tuple(info["names"]), spatial=_spatial(info),
-                      input_windows=_windows(info))
+                      input_windows=_windows(info),
+                      recompute=frozenset(info.get("recompute", ())))
     rp = RankProgram(program, rank, stages, comm)  # type: ignore[arg-type]
     failfast.uninstall(held)  # the rank program holds its own
     return rp

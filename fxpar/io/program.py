@@ -37,7 +37,6 @@ from fxpar.core.stages import StageGraph
 from fxpar.io.groups import communicators, stage_syncs, tile_groups
 from fxpar.runtime.loop import LossFn, Runtime, StepState, Tiling
 from fxpar.runtime.materialize import InitFn, materialize_rank
-from fxpar.runtime.recompute import recomputed_stages
 from fxpar.runtime.spatial.ops import Join, group_key
 from fxpar.runtime.spatial.tags import max_tag
 
@@ -101,6 +100,9 @@ class Program:
     """Per rank, the rows x columns of the model input its stages read, worked out at compile
     time (fxpar.compiler.windows; saved in program.json); None when not recorded (an input
     that is not one image batch, or a folder saved before fxpar recorded them)."""
+    recompute: frozenset[int] = frozenset()
+    """The stages whose activations are recomputed (``Plan.recompute`` resolved at compile
+    time: "auto" chooses them for ``Plan.memory_per_rank``; saved in program.json)."""
 
     @property
     def world_size(self) -> int:
@@ -241,7 +243,7 @@ class RankProgram:
             program.schedule, program.loss_fn, self.optimizer, comm, chunks_per_copy(plan),
             self._tiling(),
             chunk=lambda copy, mb: first_chunk(plan, dp, copy) + mb,
-            sync=self._sync, recompute=recomputed_stages(plan.recompute, plan.stages))
+            sync=self._sync, recompute=program.recompute)
 
     def _merge_stats(self) -> bool:
         return self.plan.copies > 1 or self.plan.data_parallel > 1

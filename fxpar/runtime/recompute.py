@@ -31,12 +31,11 @@ from torch import nn
 from fxpar.comm.mpi import Comm
 from fxpar.runtime.spatial.group import TileOp
 
-MODES = ("never", "always", "except_last")
-
 
 def recomputed_stages(mode: str, stages: int) -> frozenset[int]:
     """The stages ``Plan.recompute`` recomputes: every one ("always"), all but the last
-    ("except_last": its outputs are the loss, recomputing it saves little), or none."""
+    ("except_last": its outputs are the loss, recomputing it saves little), or none ("never";
+    "auto" is chosen at compile time, fxpar.compiler.memory.choose_recompute)."""
     if mode == "always":
         return frozenset(range(stages))
     if mode == "except_last":

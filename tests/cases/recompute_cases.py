@@ -60,6 +60,24 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...], fxpar.Pla
 }
 
 
+def case_amoeba_sp2_pp2_auto_recomputes_the_stage_over_budget() -> None:
+    """recompute="auto" with a budget between the ranks' estimates: the stages of the ranks
+    over it are recomputed, the others not, and training is still exact."""
+    from fxpar.compiler.memory import estimate
+
+    plan = P(stages=2, spatial_parts=2, microbatches=2, schedule="1f1b")
+    shape = (4, 3, 48, 48)
+    meta = torch.empty(shape, dtype=torch.float64, device="meta")
+    program = fxpar.compile(_amoeba().double(), plan, meta)
+    totals = {m.rank: m.total for m in estimate(program)}
+    budget = (min(totals.values()) + max(totals.values())) // 2
+    over = {program.rank_map.roles_of(r)[0].stage for r, t in totals.items() if t > budget}
+    assert over and over != {0, 1}, totals
+    auto = P(**{**plan.to_json(), "recompute": "auto", "memory_per_rank": budget})
+    rp = check(Case(_amoeba, shape, auto))
+    assert rp is None or rp.program.recompute == over, (rp.program.recompute, over, totals)
+
+
 def _case(name: str) -> None:
     build, shape, plan, seg = CASES[name]
     check(Case(build, shape, plan, classes=3 if seg else 5, segmentation=seg))
