@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torchvision.models as tvm
 from transparency import Case, check, sub_comm
 
 import fxpar
@@ -35,8 +34,8 @@ def _amoeba() -> torch.nn.Module:
 
 
 CASES: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...], fxpar.Plan, bool]] = {
-    "resnet18_one_always": (lambda: tvm.resnet18(num_classes=5), (2, 3, 32, 32),
-                            P(recompute="always"), False),
+    "unet_one_mb2_always": (_unet, (4, 3, 32, 32), P(microbatches=2, recompute="always"),
+                            True),
     "amoeba_pp2_1f1b_except_last": (_amoeba, (4, 3, 32, 32),
                                     P(stages=2, microbatches=2, schedule="1f1b",
                                       recompute="except_last"), False),
@@ -48,9 +47,9 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...], fxpar.Pla
                                            P(stages=3, spatial_parts=2, spatial_stages=2,
                                              microbatches=2, schedule="1f1b",
                                              recompute="except_last"), False),
-    "resnet18_sp2_gems_always": (lambda: tvm.resnet18(num_classes=5), (4, 3, 48, 48),
-                                 P(stages=2, spatial_parts=2, gems=True, microbatches=2,
-                                   recompute="always"), False),
+    "unet_sp2_gems_always": (_unet, (4, 3, 32, 32),
+                             P(stages=2, spatial_parts=2, gems=True, microbatches=2,
+                               recompute="always"), True),
     "unet_sp2_dp2_always": (_unet, (4, 3, 32, 32),
                             P(spatial_parts=2, data_parallel=2, recompute="always"), True),
     "unet3d_cube_always": (lambda: models.build("unet3d", in_channels=3, num_classes=3, base=2,
