@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
                    "--memory-per-rank); --memory shows the effect")
     g.add_argument("--memory-per-rank", type=bytes_arg, metavar="SIZE", default=None,
                    help="memory budget per rank for --recompute auto, e.g. 4GiB")
+    g.add_argument("--channels-last", action="store_true",
+                   help="convolutions in the channels-last memory format")
     v = p.add_argument_group("views (each replaces the default report)")
     v.add_argument("--after", metavar="PASS", help=f"print the graph after PASS, one of: "
                    f"{', '.join(PASS_NAMES)} (halo: the tile modules, tile 0 or --rank's)")
@@ -219,7 +221,8 @@ def _main(args: argparse.Namespace) -> int:
                     spatial_parts=args.spatial_parts, slice=args.slice, grid=args.grid,
                     spatial_stages=args.spatial_stages, gems=args.gems,
                     gems_times=args.times, data_parallel=args.data_parallel,
-                    recompute=args.recompute, memory_per_rank=args.memory_per_rank)
+                    recompute=args.recompute, memory_per_rank=args.memory_per_rank,
+                    channels_last=args.channels_last)
         # the model is on meta; inspecting never computes with weights, so a rank's modules
         # get memory without values (no reset_parameters: a module with none is fine here)
         program = fx_compile(model, plan, example, after_pass=after_pass,

@@ -62,7 +62,8 @@ PLAN_FLAGS = (("stages", "--stages/--split-size", 1), ("balance", "--balance", N
               ("spatial_stages", "--spatial-stages/--spatial-size", 1), ("gems", "--gems", False),
               ("times", "--times", 1), ("data_parallel", "--data-parallel/--local-DP", 1),
               ("recompute", "--recompute", "never"),
-              ("memory_per_rank", "--memory-per-rank", None))
+              ("memory_per_rank", "--memory-per-rank", None),
+              ("channels_last", "--channels-last", False))
 MODEL_FLAGS = (("model_arg", "-k"), ("num_layers", "--num-layers"),
                ("num_filters", "--num-filters"))
 USER_ERRORS = (PlanError, ModelSpecError, TraceError, DataError, CheckpointError, ValueError,
@@ -143,6 +144,8 @@ def parser() -> argparse.ArgumentParser:
                    "or auto (the stages the memory estimate needs for --memory-per-rank)")
     g.add_argument("--memory-per-rank", type=bytes_arg, metavar="SIZE",
                    help="memory budget per rank for --recompute auto, e.g. 4GiB")
+    g.add_argument("--channels-last", action="store_true", default=None,
+                   help="convolutions in the channels-last memory format")
     return p
 
 
@@ -158,7 +161,8 @@ def plan_from_args(a: argparse.Namespace) -> Plan:
                 schedule=v["schedule"], spatial_parts=v["spatial_parts"], slice=v["slice"],
                 grid=v["grid"], spatial_stages=v["spatial_stages"], gems=v["gems"],
                 gems_times=v["times"], data_parallel=v["data_parallel"],
-                recompute=v["recompute"], memory_per_rank=v["memory_per_rank"])
+                recompute=v["recompute"], memory_per_rank=v["memory_per_rank"],
+                channels_last=v["channels_last"])
 
 
 def input_size(a: argparse.Namespace) -> tuple[int, ...]:

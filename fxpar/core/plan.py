@@ -84,6 +84,10 @@ class Plan:
     memory_per_rank: int | None = None
     """Bytes each rank may hold (parameters, gradients, optimizer state, activations, received
     tensors, as ``fxpar-inspect --memory`` estimates them); used by ``recompute="auto"``."""
+    channels_last: bool = False
+    """Lay convolution weights out channels-last (NHWC / NDHWC), so convolutions and the
+    activations between them run in that memory format (often faster with oneDNN and cuDNN);
+    the same values, so the same training."""
     strict: bool = False
     """Spatial plans: raise (instead of warning) when the spatial region covers less than
     ``fxpar.COVERAGE_WARN`` of the forward FLOPs on image tensors, e.g. because an op without
@@ -149,6 +153,8 @@ class Plan:
             out.append(f"Plan.slice must be one of {SLICES}, got {self.slice!r}")
         if not isinstance(self.gems, bool):
             out.append(f"Plan.gems must be True or False, got {self.gems!r}")
+        if not isinstance(self.channels_last, bool):
+            out.append(f"Plan.channels_last must be True or False, got {self.channels_last!r}")
         if not isinstance(self.strict, bool):
             out.append(f"Plan.strict must be True or False, got {self.strict!r}")
         if ok and self.spatial_parts > 1 and self.spatial_stages > self.stages:

@@ -72,6 +72,19 @@ class SpatialInfo:
 _LAUNCHER_VARS = failfast.LAUNCHER_VARS
 
 
+def to_channels_last(params: list[nn.Parameter]) -> None:
+    """``Plan(channels_last=True)``: convolution weights (4-D, 5-D) laid out channels-last, in
+    place (the values do not change). oneDNN and cuDNN then run every convolution that reads
+    them channels-last, and the outputs, the tile ops' windows and gradients keep that layout
+    (fxpar.runtime.spatial.ops.memory_format); inputs and messages stay as they are."""
+    with torch.no_grad():
+        for p in params:
+            if p.dim() == 4:
+                p.data = p.data.contiguous(memory_format=torch.channels_last)
+            elif p.dim() == 5:
+                p.data = p.data.contiguous(memory_format=torch.channels_last_3d)
+
+
 @dataclass(frozen=True)
 class Program:
     """The compiled job: every rank's stages and actions. Build rank programs from it."""
@@ -228,6 +241,8 @@ class RankProgram:
         self.comm = comm
         self.device = torch.device("cpu")
         params = list(self.parameters())
+        if program.plan.channels_last:
+            to_channels_last(params)
         # a rank whose stages own no parameter (only ReLUs and pools) has nothing to step:
         # torch optimizers refuse an empty parameter list
         self.optimizer = program.optimizer(iter(params)) \

@@ -39,6 +39,20 @@ def group_key(stage: int, copy: int = 0) -> str:
     return f"c{copy}s{stage}"
 
 
+def memory_format(t: torch.Tensor) -> torch.memory_format:
+    """channels_last (channels_last_3d) when ``t`` is laid out so (``Plan(channels_last=True)``),
+    else contiguous: windows and gradients the tile ops make keep their input's layout."""
+    if t.dim() in (4, 5) and t.shape[1] > 1 and t.stride(1) == 1:
+        return torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _empty(like: torch.Tensor, shape: tuple[int, ...], zero: bool = False) -> torch.Tensor:
+    out = torch.empty(shape, dtype=like.dtype, device=like.device,
+                      memory_format=memory_format(like))
+    return out.zero_() if zero else out
+
+
 def _region(t: torch.Tensor, holder: Rect, inner: Rect) -> torch.Tensor:
     return t[(slice(None), slice(None), *holder.local(inner))]
 
@@ -74,7 +88,7 @@ def _swap(like: torch.Tensor, comm: Comm, tag: int, recvs: list[tuple[int, Rect]
 def _rebuild(x: torch.Tensor, ex: Exchange, replicated: bool, pieces: Pieces) -> torch.Tensor:
     """The window again, from the tile and the saved pieces (no communication)."""
     n, c = x.shape[:2]
-    out = x.new_empty((n, c, *ex.need.shape))
+    out = _empty(x, (n, c, *ex.need.shape))
     own = Rect.whole(ex.extent) if replicated else ex.own
     local = ex.need.intersect(own)
     if local is not None:
@@ -100,7 +114,7 @@ def _window_grad(g: torch.Tensor, ex: Exchange, comm: Comm, replicated: bool, ta
     n, c = g.shape[:2]
     if replicated:
         full = Rect.whole(ex.extent)
-        gx = g.new_zeros((n, c, *ex.extent))
+        gx = _empty(g, (n, c, *ex.extent), zero=True)
         inside = ex.need.intersect(full)
         if inside is not None:
             _region(gx, full, inside).copy_(_region(g, ex.need, inside))
@@ -110,9 +124,9 @@ def _window_grad(g: torch.Tensor, ex: Exchange, comm: Comm, replicated: bool, ta
                        [(dst, _region(g, ex.need, rect)) for dst, rect in ex.recvs])
     local = ex.local
     if local == ex.own:  # the usual case: the window holds the whole tile
-        gx = _region(g, ex.need, local).clone(memory_format=torch.contiguous_format)
+        gx = _region(g, ex.need, local).clone(memory_format=memory_format(g))
     else:
-        gx = g.new_zeros((n, c, *ex.own.shape))
+        gx = _empty(g, (n, c, *ex.own.shape), zero=True)
         if local is not None:
             _region(gx, ex.own, local).add_(_region(g, ex.need, local))
     Comm.waitall(reqs)
@@ -300,7 +314,7 @@ class _Join(torch.autograd.Function):
         ctx.rect, ctx.comm = rects[t], comm
         n, c = x.shape[:2]
         full = Rect(*((0, max(r.dims[i][1] for r in rects)) for i in range(rects[t].ndim)))
-        out = x.new_empty((n, c, *full.shape))
+        out = _empty(x, (n, c, *full.shape))
         reqs, bufs = [], []
         for u, rect in enumerate(rects):
             if u == t:
