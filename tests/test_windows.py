@@ -26,6 +26,7 @@ from fxpar.core.plan import PlanError
 from fxpar.io.layout import rank_folder
 from fxpar.io.loader import load
 from fxpar.io.program import Program
+from fxpar.passes.halo import bounding
 from fxpar.runtime.spatial.ops import Halo, HaloOp
 
 
@@ -52,10 +53,7 @@ def reads(program: Program, rank: int) -> Rect | None:
                         rects.append(inside)
                 else:  # the op reads the input as it is
                     rects.append(image)
-    if not rects:
-        return None
-    return Rect(*((min(r.dims[i][0] for r in rects), max(r.dims[i][1] for r in rects))
-                  for i in range(image.ndim)))
+    return bounding(rects) if rects else None
 
 
 def windows_match_reads(program: Program) -> None:

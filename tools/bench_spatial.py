@@ -192,7 +192,14 @@ def worker(a: argparse.Namespace) -> None:
         def step() -> float:
             return rp.train_step(x, y)
 
-    rec: dict[str, Any] = {"compile_s": compile_s}
+    record_steps(a, {"compile_s": compile_s}, step, params, comm, counts)
+
+
+def record_steps(a: argparse.Namespace, rec: dict[str, Any], step: Callable[[], Any],
+                 params: list[Any], comm: Any, counts: dict[str, float] | None) -> None:
+    """A worker's measurement of ``step`` (``--worker step``: what one step saves for backward;
+    else ``--warmup`` steps, then ``--steps`` timed ones, halo counters reset in between), added
+    to ``rec``, gathered from every rank and emitted by rank 0 (tools/bench_volume.py too)."""
     if a.worker == "step":
         from bench_memory import saved_step  # lazily: bench_memory imports this module
 

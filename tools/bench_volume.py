@@ -180,30 +180,7 @@ def worker(a: argparse.Namespace) -> None:
         def step() -> float:
             return rp.train_step(x, y)
 
-    rec: dict[str, Any] = {"compile_s": compile_s, **rec0}
-    if a.worker == "step":
-        from bench_memory import saved_step
-
-        rec.update(saved_step(step, params))
-    else:
-        for _ in range(a.warmup):
-            step()
-        if comm is not None:
-            comm.barrier()
-        if counts is not None:
-            counts.update(halo_fwd_bytes=0.0, halo_bwd_bytes=0.0, other_bytes=0.0,
-                          halo_wait_s=0.0)
-        times = []
-        for _ in range(a.steps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        rec.update(times=times, step_s=statistics.median(times))
-    if counts is not None:
-        rec.update(counts)
-    ranks = [rec] if comm is None else comm.gather_object(rec)
-    if comm is None or comm.rank == 0:
-        benchlib.emit({"ranks": ranks, **ranks[0]})
+    bench_spatial.record_steps(a, {"compile_s": compile_s, **rec0}, step, params, comm, counts)
 
 
 def compile_worker(a: argparse.Namespace) -> None:

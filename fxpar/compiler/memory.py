@@ -212,8 +212,8 @@ def choose_recompute(program: Program, budget: int) -> frozenset[int]:
     enough, naming the rank and what it needs."""
     chosen: frozenset[int] = frozenset()
     while True:
-        trial = dataclasses.replace(program, recompute=chosen)
-        over = [m for m in estimate(trial) if m.total > budget]
+        now = estimate(dataclasses.replace(program, recompute=chosen))
+        over = [m for m in now if m.total > budget]
         if not over:
             return chosen
         worst = max(over, key=lambda m: m.total)
@@ -227,7 +227,7 @@ def choose_recompute(program: Program, budget: int) -> frozenset[int]:
                 f"use more stages or spatial parts, fewer micro-batches in flight, or a larger "
                 f"budget", MemoryWarning, stacklevel=3)
             return chosen
-        now = sum(m.total for m in estimate(trial))
-        saving = {s: now - sum(m.total for m in estimate(
+        total = sum(m.total for m in now)
+        saving = {s: total - sum(m.total for m in estimate(
             dataclasses.replace(program, recompute=chosen | {s}))) for s in sorted(held)}
         chosen = chosen | {max(saving, key=lambda s: saving[s])}

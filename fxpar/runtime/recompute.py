@@ -188,21 +188,17 @@ def replaying(module: nn.Module, rec: Record) -> Iterator[None]:
     torch.set_rng_state(rec.rng)
     if rec.cuda_rng is not None:
         torch.cuda.set_rng_state_all(rec.cuda_rng)
-    old = [op.comm for op in ops]
-    for op in ops:
-        op.comm = wrap[id(op.comm)]  # type: ignore[assignment]
     try:
-        yield
-        for w in wrap.values():
-            if w.log:
-                raise RuntimeError("recompute: the replayed forward made fewer exchanges than "
-                                   "the first forward (the stage computes differently the "
-                                   "second time)")
+        with _swapped(ops, wrap):
+            yield
+            for w in wrap.values():
+                if w.log:
+                    raise RuntimeError("recompute: the replayed forward made fewer exchanges "
+                                       "than the first forward (the stage computes "
+                                       "differently the second time)")
     finally:
         for w in wrap.values():
             w.replaying = False  # the backward of the recomputed graph talks for real
-        for op, comm in zip(ops, old, strict=True):
-            op.comm = comm
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

@@ -286,7 +286,7 @@ def _upsample(n: fx.Node) -> Op | None:
     linear = mode == "bilinear"
     corners = bool(arg(n, 2, False)) if linear else False
     first = 3 if linear else 2
-    if n.target.overloadpacket in UPSAMPLES and n.target._overloadname == "vec":
+    if n.target._overloadname == "vec":
         scales = arg(n, first, None)
         scales = list(scales) if scales is not None else [None] * nd
     else:  # .default: separate scales per dim
