@@ -96,17 +96,18 @@ def test_compile_calls_after_pass_with_every_pass_in_order(net):
                   after_pass=lambda name, gm: seen.append(
                       (name, all("fxpar.stage" in n.meta for n in gm.graph.nodes
                                  if n.op == "call_function"))))
-    assert [name for name, _ in seen] == ["trace", "spatial_region", "split_stages",
-                                          "limit_region"]
-    assert [has for _, has in seen] == [False, False, True, True]  # dumped at that moment
+    assert [name for name, _ in seen] == ["trace", "precision", "spatial_region",
+                                          "split_stages", "limit_region"]
+    assert [has for _, has in seen] == [False, False, False, True, True]  # dumped at that moment
 
 
 def test_after_unknown_pass_lists_the_valid_names(capsys, net):
     rc, out, err = cli(capsys, *small(net, "--after", "halos"))
     assert rc == 2 and out == ""
-    assert ("unknown pass 'halos' for --after; valid names: trace, spatial_region, "
-            "split_stages, limit_region, halo") in err
-    assert PASS_NAMES == ("trace", "spatial_region", "split_stages", "limit_region", "halo")
+    assert ("unknown pass 'halos' for --after; valid names: trace, precision, "
+            "spatial_region, split_stages, limit_region, halo") in err
+    assert PASS_NAMES == ("trace", "precision", "spatial_region", "split_stages", "limit_region",
+                          "halo")
 
 
 def test_after_trace_is_the_node_table_of_the_traced_micro_batch(capsys, net):

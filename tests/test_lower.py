@@ -256,8 +256,8 @@ def test_compile_runs_the_halo_pass_for_tile_0_of_each_spatial_stage():
     seen: list[tuple[str, str]] = []
     program = fxpar.compile(small_cnn(), Plan(stages=2, spatial_parts=2), (2, 3, 8, 8),
                             after_pass=lambda name, gm: seen.append((name, type(gm).__name__)))
-    assert [n for n, _ in seen] == ["trace", "spatial_region", "split_stages", "limit_region",
-                                    "halo"]
+    assert [n for n, _ in seen] == ["trace", "precision", "spatial_region", "split_stages",
+                                    "limit_region", "halo"]
     assert seen[-1][1].endswith("Tile0")
     assert program.spatial is not None and (0, 0) in program.spatial._cache
 

@@ -32,7 +32,7 @@ from fxpar.compiler.memory import memory_table
 from fxpar.compiler.passdriver import HALO, TRACE, dump
 from fxpar.compiler.report import halo_table, node_table, rank_table, stage_table, totals_line
 from fxpar.compiler.simulate import simulate, stage_costs
-from fxpar.core.plan import RECOMPUTE, SCHEDULES, SLICES, Plan, PlanError
+from fxpar.core.plan import PRECISION_DTYPES, RECOMPUTE, SCHEDULES, SLICES, Plan, PlanError
 from fxpar.core.schedule import format_grid
 from fxpar.frontend.trace import TraceError, trace
 from fxpar.io.metrics import load_metrics
@@ -79,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
                    help="memory budget per rank for --recompute auto, e.g. 4GiB")
     g.add_argument("--channels-last", action="store_true",
                    help="convolutions in the channels-last memory format")
+    g.add_argument("--precision", choices=tuple(PRECISION_DTYPES), default="fp32",
+                   help="compute dtype: bf16 / fp16 show autocast's casts (--after precision) "
+                   "and halve activations and messages (--memory)")
     v = p.add_argument_group("views (each replaces the default report)")
     v.add_argument("--after", metavar="PASS", help=f"print the graph after PASS, one of: "
                    f"{', '.join(PASS_NAMES)} (halo: the tile modules, tile 0 or --rank's)")
@@ -212,7 +215,7 @@ def _main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     program = None
     if not views and args.stages is None and args.spatial_parts == 1 and args.grid is None \
-            and not args.gems and args.data_parallel == 1:
+            and not args.gems and args.data_parallel == 1 and args.precision == "fp32":
         gm = trace(model, example)
     else:
         balance = tuple(int(b) for b in args.balance.split(",")) if args.balance else None
@@ -222,7 +225,7 @@ def _main(args: argparse.Namespace) -> int:
                     spatial_stages=args.spatial_stages, gems=args.gems,
                     gems_times=args.times, data_parallel=args.data_parallel,
                     recompute=args.recompute, memory_per_rank=args.memory_per_rank,
-                    channels_last=args.channels_last)
+                    channels_last=args.channels_last, precision=args.precision)
         # the model is on meta; inspecting never computes with weights, so a rank's modules
         # get memory without values (no reset_parameters: a module with none is fine here)
         program = fx_compile(model, plan, example, after_pass=after_pass,

@@ -36,7 +36,7 @@ from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import compile as fx_compile
 from fxpar.core.geometry import Rect
-from fxpar.core.plan import RECOMPUTE, SCHEDULES, SLICES, Plan, PlanError
+from fxpar.core.plan import PRECISION_DTYPES, RECOMPUTE, SCHEDULES, SLICES, Plan, PlanError
 from fxpar.frontend.trace import TraceError
 from fxpar.io.checkpoint import CheckpointError
 from fxpar.io.data import (
@@ -63,7 +63,8 @@ PLAN_FLAGS = (("stages", "--stages/--split-size", 1), ("balance", "--balance", N
               ("times", "--times", 1), ("data_parallel", "--data-parallel/--local-DP", 1),
               ("recompute", "--recompute", "never"),
               ("memory_per_rank", "--memory-per-rank", None),
-              ("channels_last", "--channels-last", False))
+              ("channels_last", "--channels-last", False),
+              ("precision", "--precision", "fp32"))
 MODEL_FLAGS = (("model_arg", "-k"), ("num_layers", "--num-layers"),
                ("num_filters", "--num-filters"))
 USER_ERRORS = (PlanError, ModelSpecError, TraceError, DataError, CheckpointError, ValueError,
@@ -146,6 +147,9 @@ def parser() -> argparse.ArgumentParser:
                    help="memory budget per rank for --recompute auto, e.g. 4GiB")
     g.add_argument("--channels-last", action="store_true", default=None,
                    help="convolutions in the channels-last memory format")
+    g.add_argument("--precision", choices=tuple(PRECISION_DTYPES),
+                   help="compute dtype (default fp32): bf16 or fp16 as under torch.autocast, "
+                   "with float32 weights; fp16 adds a dynamic loss scale")
     return p
 
 
@@ -162,7 +166,7 @@ def plan_from_args(a: argparse.Namespace) -> Plan:
                 grid=v["grid"], spatial_stages=v["spatial_stages"], gems=v["gems"],
                 gems_times=v["times"], data_parallel=v["data_parallel"],
                 recompute=v["recompute"], memory_per_rank=v["memory_per_rank"],
-                channels_last=v["channels_last"])
+                channels_last=v["channels_last"], precision=v["precision"])
 
 
 def input_size(a: argparse.Namespace) -> tuple[int, ...]:
@@ -351,8 +355,10 @@ def train(rp: RankProgram, batches: Callable[[int], Batch], args: argparse.Names
         loss, took = rec.step(x, y)
         n = step + 1
         if rp.rank == 0 and (n % every == 0 or n == args.steps or n == start_step + 1):
+            ls = rp.loss_scale
+            scale = "" if ls is None else f"  loss scale {ls.scale:g} ({ls.skipped} skipped)"
             print(f"step {n:>4}/{args.steps}  loss {loss:.6f}  {args.batch_size / took:8.2f} "
-                  f"img/s  ({took:.3f} s, data {data_s:.3f} s)", flush=True)
+                  f"img/s  ({took:.3f} s, data {data_s:.3f} s){scale}", flush=True)
         if after_step is not None:
             after_step(n)
     return rec
@@ -433,7 +439,10 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
         return _user_error(e, comm, failfast.agreements() > checks)
     rp = job.rp
     if rp.rank == 0:
-        print(f"fxpar-run: {a.model} {'x'.join(map(str, job.shape))} {a.dtype} on "
+        mixed = rp.plan.precision
+        scaled = ", dynamic loss scale" if mixed == "fp16" else ""
+        compute = "" if mixed == "fp32" else f" (compute {mixed}{scaled})"
+        print(f"fxpar-run: {a.model} {'x'.join(map(str, job.shape))} {a.dtype}{compute} on "
               f"{rp.program.world_size} rank(s); {job.how} in {job.compile_s:.2f} s; "
               f"{describe(job.source)}", flush=True)
     start = _resume(rp, a)

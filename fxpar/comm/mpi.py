@@ -325,8 +325,11 @@ class Comm:
             return self._allreduce(t, op)
 
     def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        if t.dtype in _BITCAST:
-            raise TypeError(f"allreduce of {t.dtype} is not supported: reduce in float32")
+        if t.dtype in _BITCAST or t.dtype == torch.float16:
+            # MPI has no bfloat16 / float16 sum: reduce in float32, round once
+            wide = t.float()
+            self._allreduce(wide, op)
+            return t.copy_(wide)
         mpi = _mpi()
         ops = {"sum": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN}
         if self._plain and t.device.type == "cpu":

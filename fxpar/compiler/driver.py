@@ -29,6 +29,7 @@ from fxpar.core.stages import StageGraph
 from fxpar.frontend.trace import check_model, trace
 from fxpar.io.program import OptimizerFactory, Program, SpatialInfo
 from fxpar.passes.halo import tile_stage
+from fxpar.passes.precision import precision
 from fxpar.passes.spatial_region import (
     Coverage,
     SpatialLayout,
@@ -44,8 +45,8 @@ from fxpar.runtime.spatial.ops import group_key
 from fxpar.runtime.spatial.tags import max_tag
 from fxpar.runtime.sync import sync_problems
 
-PASSES = [("spatial_region", spatial_region), ("split_stages", split_stages),
-          ("limit_region", limit_region)]
+PASSES = [("precision", precision), ("spatial_region", spatial_region),
+          ("split_stages", split_stages), ("limit_region", limit_region)]
 """Whole-graph passes, in order."""
 
 

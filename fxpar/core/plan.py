@@ -23,9 +23,14 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+import torch
+
 SCHEDULES = ("gpipe", "1f1b")
 SLICES = ("vertical", "horizontal", "square", "slab", "pencil", "cube")
 RECOMPUTE = ("never", "always", "except_last", "auto")
+PRECISION_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``Plan.precision`` -> the compute dtype (None: the model's own dtypes, no autocast)."""
 
 
 class PlanError(ValueError):
@@ -84,6 +89,13 @@ class Plan:
     memory_per_rank: int | None = None
     """Bytes each rank may hold (parameters, gradients, optimizer state, activations, received
     tensors, as ``fxpar-inspect --memory`` estimates them); used by ``recompute="auto"``."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Mixed precision: "bf16" / "fp16" compute as under ``torch.autocast`` (convolutions and
+    matrix products in that dtype, norm statistics in float32) with float32 parameters,
+    gradients and optimizer state; halos and pipeline messages travel in the compute dtype.
+    "fp16" adds a dynamic loss scale whose overflow check all ranks agree on (a step with an
+    inf or NaN gradient on any rank is skipped on every rank and the scale halves).
+    "fp32": the model's own dtypes. [--precision]"""
     channels_last: bool = False
     """Lay convolution weights out channels-last (NHWC / NDHWC), so convolutions and the
     activations between them run in that memory format (often faster with oneDNN and cuDNN);
@@ -153,6 +165,9 @@ class Plan:
             out.append(f"Plan.slice must be one of {SLICES}, got {self.slice!r}")
         if not isinstance(self.gems, bool):
             out.append(f"Plan.gems must be True or False, got {self.gems!r}")
+        if self.precision not in PRECISION_DTYPES:
+            out.append(f"Plan.precision must be one of {tuple(PRECISION_DTYPES)}, got "
+                       f"{self.precision!r}")
         if not isinstance(self.channels_last, bool):
             out.append(f"Plan.channels_last must be True or False, got {self.channels_last!r}")
         if not isinstance(self.strict, bool):

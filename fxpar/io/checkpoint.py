@@ -48,6 +48,7 @@ Files must be visible to every rank (a shared file system on a cluster).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -57,6 +58,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from fxpar.runtime.scale import LossScale
 
 if TYPE_CHECKING:
     from fxpar.io.program import Program, RankProgram
@@ -249,6 +252,7 @@ def save(rp: RankProgram, folder: str | os.PathLike[str], step: int,
         "stages": {key: m.state_dict() for key, m in rp.stages.items()},
         "optimizer": rp.optimizer.state_dict() if rp.optimizer is not None else None,
         "rng": torch.get_rng_state(),
+        "loss_scale": dataclasses.asdict(rp.loss_scale) if rp.loss_scale is not None else None,
     }
     try:
         _write_durably(version / shard_name(rp.rank), lambda p: torch.save(shard, p))
@@ -386,6 +390,8 @@ def load(rp: RankProgram, folder: str | os.PathLike[str]) -> int:
     if rp.optimizer is not None:
         rp.optimizer.load_state_dict(shard["optimizer"])
     torch.set_rng_state(shard["rng"])
+    if rp.loss_scale is not None and shard.get("loss_scale") is not None:
+        rp.loss_scale = LossScale(**shard["loss_scale"])  # fp16: the scale goes on as it was
     return int(manifest["step"])
 
 

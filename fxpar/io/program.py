@@ -30,13 +30,14 @@ from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
 from fxpar.core.geometry import Grid, Rect
 from fxpar.core.messages import check_tags, tag_uses
-from fxpar.core.plan import Plan, PlanError, RankMap
+from fxpar.core.plan import PRECISION_DTYPES, Plan, PlanError, RankMap
 from fxpar.core.roles import chunks_per_copy, first_chunk
 from fxpar.core.schedule import Action, Schedule
 from fxpar.core.stages import StageGraph
 from fxpar.io.groups import communicators, stage_syncs, tile_groups
 from fxpar.runtime.loop import LossFn, Runtime, StepState, Tiling
 from fxpar.runtime.materialize import InitFn, materialize_rank
+from fxpar.runtime.scale import LossScale
 from fxpar.runtime.spatial.ops import Join, group_key
 from fxpar.runtime.spatial.tags import max_tag
 
@@ -247,6 +248,9 @@ class RankProgram:
         # torch optimizers refuse an empty parameter list
         self.optimizer = program.optimizer(iter(params)) \
             if program.optimizer and params else None
+        self.loss_scale = LossScale() if program.plan.precision == "fp16" else None
+        """float16's dynamic loss scale (fxpar.runtime.scale), None for other precisions;
+        its fields (``scale``, ``growth_interval``, ...) may be set before training."""
         rank_map, dp = program.rank_map, program.rank_map.dp_index(rank)
         plan = program.plan
         self._comms = communicators(program, rank, comm)
@@ -258,7 +262,16 @@ class RankProgram:
             program.schedule, program.loss_fn, self.optimizer, comm, chunks_per_copy(plan),
             self._tiling(),
             chunk=lambda copy, mb: first_chunk(plan, dp, copy) + mb,
-            sync=self._sync, recompute=program.recompute)
+            sync=self._sync, recompute=program.recompute,
+            precision=PRECISION_DTYPES[plan.precision], before_step=self._before_step)
+
+    def _before_step(self) -> bool:
+        """With a loss scale: unscale this rank's gradients, agree with every rank on whether
+        all are finite (one allreduce), update the scale; False skips the step everywhere."""
+        if self.loss_scale is None:
+            return True
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        return self.loss_scale.unscale(grads, self.comm, self.device)
 
     def _merge_stats(self) -> bool:
         return self.plan.copies > 1 or self.plan.data_parallel > 1
@@ -377,7 +390,9 @@ class RankProgram:
         for p in self.parameters():
             p.grad = None
         xs = [None] * n if x is None else list(torch.tensor_split(x, n))
-        state = StepState(xs, list(_split_target(y, n)), scale=1.0 / n)  # type: ignore[arg-type]
+        factor = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        state = StepState(xs, list(_split_target(y, n)),  # type: ignore[arg-type]
+                          scale=factor / n)
         self.groups.bind()  # tile modules may be shared with another rank program of this Program
         for sync in self.syncs:
             sync.reset()
@@ -387,7 +402,7 @@ class RankProgram:
         total = sum(state.losses, torch.zeros((), dtype=torch.float64))
         if self.comm is not None and self.comm.size > 1:
             self.comm.allreduce(total)  # only the last stage's ranks hold losses
-        return float(total)
+        return float(total) / factor
 
     def _check_omitted(self, x: torch.Tensor | None, y: Any) -> None:
         stages = {s for _, s in self.stages}

@@ -139,6 +139,13 @@ class Runtime:
     recompute: frozenset[int] = frozenset()
     """Stages whose forward runs without autograd at F and again, with it, at B
     (``Plan.recompute``; fxpar.runtime.recompute)."""
+    before_step: Callable[[], bool] = lambda: True
+    """Called by STEP before the optimizer step, on every rank; False skips the step (a
+    float16 loss scale saw an inf: fxpar.runtime.scale)."""
+    precision: torch.dtype | None = None
+    """The compute dtype of a mixed-precision plan: the loss runs under ``torch.autocast``
+    in it, as in a user's autocast block (the stages' casts are graph nodes already:
+    fxpar.passes.precision)."""
     _waited: float = field(default=0.0, repr=False)
 
     def run(self, state: StepState, actions: list[Action] | None = None) -> None:
@@ -255,7 +262,12 @@ class Runtime:
         if not st.train:
             st.results[self.chunk(a.copy, a.mb)] = result
             return outs
-        loss = self.loss_fn(result, self._target(a, st.y_chunks[self.chunk(a.copy, a.mb)]))
+        target = self._target(a, st.y_chunks[self.chunk(a.copy, a.mb)])
+        if self.precision is None:
+            loss = self.loss_fn(result, target)
+        else:
+            with torch.autocast(self.device.type, dtype=self.precision):
+                loss = self.loss_fn(result, target)
         scale = st.scale * self._loss_share(a)
         if scale != 1.0:
             loss = loss * scale
@@ -316,7 +328,8 @@ class Runtime:
     def _step(self, a: Action, st: StepState) -> None:
         self._block(lambda: Comm.waitall(st.sends))
         st.sends.clear()
-        if self.optimizer is not None:
+        go = self.before_step()
+        if self.optimizer is not None and go:
             self.optimizer.step()
 
     def _allreduce(self, a: Action, st: StepState) -> None:

@@ -32,6 +32,12 @@ from fxpar.comm.mpi import Comm
 from fxpar.runtime.spatial.group import TileOp
 
 
+def stats_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype norm statistics of ``x`` are kept in: ``x``'s, but float32 for bfloat16 and
+    float16 inputs (as PyTorch's own kernels accumulate them; ``Plan(precision=...)``)."""
+    return torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+
+
 def local_moments(x: torch.Tensor) -> torch.Tensor:
     """This tile's ``[n, mean (C), M2 (C)]`` over dims 0, 2, 3 of ``x`` (float64, 1 + 2C).
 
@@ -43,7 +49,10 @@ def local_moments(x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(1 + 2 * c, dtype=torch.float64, device=x.device)
     out[0] = n
     if n:
-        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        running = None  # float32 buffers (left unchanged: momentum 0) select the kernel's
+        if stats_dtype(x) != x.dtype:  # mixed-type path, which returns float32 statistics of
+            running = torch.zeros(c, dtype=torch.float32, device=x.device)  # a bf16 / fp16 x
+        mean, var = torch.batch_norm_update_stats(x, running, running, 0.0)
         out[1:1 + c] = mean
         out[1 + c:] = var.double() * n
     return out
@@ -65,10 +74,10 @@ def merge_moments(parts: Sequence[torch.Tensor]
 
 
 def global_moments(x: torch.Tensor, comm: Comm) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and biased variance of ``x`` over every tile of ``comm`` (in ``x``'s
-    dtype, identical on every rank): one allgather of the tiles' local moments."""
+    """Per-channel mean and biased variance of ``x`` over every tile of ``comm`` (in
+    :func:`stats_dtype`, identical on every rank): one allgather of the tiles' local moments."""
     mean, var, _ = merge_moments(comm.allgather(local_moments(x)))
-    return mean.to(x.dtype), var.to(x.dtype)
+    return mean.to(stats_dtype(x)), var.to(stats_dtype(x))
 
 
 class _SyncBatchNorm(torch.autograd.Function):

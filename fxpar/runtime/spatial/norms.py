@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fxpar.comm.mpi import Comm
+from fxpar.runtime.spatial.batchnorm import stats_dtype
 from fxpar.runtime.spatial.group import TileOp
 
 
@@ -74,7 +75,8 @@ class TileGroupNorm(TileOp):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         n, c = x.shape[:2]
-        xg = x.reshape(n, self.groups, -1)
+        # statistics in float32 for bfloat16 / float16 tiles (Plan(precision=...))
+        xg = x.reshape(n, self.groups, -1).to(stats_dtype(x))
         comm = self.group()
         local = xg.mean(-1)
         d = xg - local.unsqueeze(-1)  # deviations from this tile's mean
@@ -94,7 +96,7 @@ class TileGroupNorm(TileOp):
             y = y * weight.reshape(shape)
         if bias is not None:
             y = y + bias.reshape(shape)
-        return y
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"groups={self.groups}, statistics over tile group {self.key!r} "
