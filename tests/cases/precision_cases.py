@@ -120,7 +120,8 @@ def check_mixed(build: Callable[[], nn.Module], shape: tuple[int, ...], plan: fx
     within NOISE_FACTOR times it (or times the dtype's epsilon relative to the tensor's largest
     value, whichever is larger) of the first run. With ``failures`` given, failures are
     appended to it instead of raised (every rank finishes every step). Plans without spatial
-    stages run the same kernels on the same values as one process: bit-identical."""
+    stages or GEMS run the same kernels on the same values and add gradients in the same order
+    as one process: bit-identical."""
     plan = P(**{**plan.to_json(), "precision": precision})
     comm = sub_comm(plan.world_size)
     if comm is None:
@@ -139,7 +140,7 @@ def check_mixed(build: Callable[[], nn.Module], shape: tuple[int, ...], plan: fx
     scalers = [torch.amp.GradScaler("cpu") if precision == "fp16" else None for _ in refs]
     params = [dict(r.named_parameters()) for r in refs]
     eps = torch.finfo(dtype).eps
-    exact = not plan.spatial
+    exact = not plan.spatial and not plan.gems  # GEMS sums its copies' gradients
     for step in range(STEPS):
         loss = rp.train_step(x, y)
         losses = [reference_step(r, o, xi, y, plan.chunks(), dtype, sc)
@@ -194,6 +195,15 @@ def case_bf16_pp2() -> None:
 
 def case_bf16_sp2_pp2() -> None:
     check_mixed(Net, SHAPE, P(stages=2, spatial_parts=2, microbatches=2), "bf16")
+
+
+def case_bf16_gems_dp2() -> None:
+    check_mixed(Net, (8, 3, 64, 64), P(stages=2, gems=True, data_parallel=2, microbatches=2),
+                "bf16")
+
+
+def case_bf16_sp2_gems() -> None:
+    check_mixed(Net, SHAPE, P(stages=2, spatial_parts=2, gems=True, microbatches=2), "bf16")
 
 
 def case_fp16_sp4() -> None:
