@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
                    "--memory-per-rank); --memory shows the effect")
     g.add_argument("--memory-per-rank", type=bytes_arg, metavar="SIZE", default=None,
                    help="memory budget per rank for --recompute auto, e.g. 4GiB")
+    g.add_argument("--recompute-segments", type=int, metavar="K", default=1,
+                   help="checkpoint each stage in K segments (--memory shows the effect)")
     g.add_argument("--channels-last", action="store_true",
                    help="convolutions in the channels-last memory format")
     g.add_argument("--precision", choices=tuple(PRECISION_DTYPES), default="fp32",
@@ -215,7 +217,8 @@ def _main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     program = None
     if not views and args.stages is None and args.spatial_parts == 1 and args.grid is None \
-            and not args.gems and args.data_parallel == 1 and args.precision == "fp32":
+            and not args.gems and args.data_parallel == 1 and args.precision == "fp32" \
+            and args.recompute_segments == 1:
         gm = trace(model, example)
     else:
         balance = tuple(int(b) for b in args.balance.split(",")) if args.balance else None
@@ -225,6 +228,7 @@ def _main(args: argparse.Namespace) -> int:
                     spatial_stages=args.spatial_stages, gems=args.gems,
                     gems_times=args.times, data_parallel=args.data_parallel,
                     recompute=args.recompute, memory_per_rank=args.memory_per_rank,
+                    recompute_segments=args.recompute_segments,
                     channels_last=args.channels_last, precision=args.precision)
         # the model is on meta; inspecting never computes with weights, so a rank's modules
         # get memory without values (no reset_parameters: a module with none is fine here)

@@ -63,6 +63,7 @@ PLAN_FLAGS = (("stages", "--stages/--split-size", 1), ("balance", "--balance", N
               ("times", "--times", 1), ("data_parallel", "--data-parallel/--local-DP", 1),
               ("recompute", "--recompute", "never"),
               ("memory_per_rank", "--memory-per-rank", None),
+              ("recompute_segments", "--recompute-segments", 1),
               ("channels_last", "--channels-last", False),
               ("precision", "--precision", "fp32"))
 MODEL_FLAGS = (("model_arg", "-k"), ("num_layers", "--num-layers"),
@@ -145,6 +146,9 @@ def parser() -> argparse.ArgumentParser:
                    "or auto (the stages the memory estimate needs for --memory-per-rank)")
     g.add_argument("--memory-per-rank", type=bytes_arg, metavar="SIZE",
                    help="memory budget per rank for --recompute auto, e.g. 4GiB")
+    g.add_argument("--recompute-segments", type=int, metavar="K",
+                   help="checkpoint each stage in K segments, keeping only their inputs "
+                   "(default 1: off)")
     g.add_argument("--channels-last", action="store_true", default=None,
                    help="convolutions in the channels-last memory format")
     g.add_argument("--precision", choices=tuple(PRECISION_DTYPES),
@@ -166,6 +170,7 @@ def plan_from_args(a: argparse.Namespace) -> Plan:
                 grid=v["grid"], spatial_stages=v["spatial_stages"], gems=v["gems"],
                 gems_times=v["times"], data_parallel=v["data_parallel"],
                 recompute=v["recompute"], memory_per_rank=v["memory_per_rank"],
+                recompute_segments=v["recompute_segments"],
                 channels_last=v["channels_last"], precision=v["precision"])
 
 

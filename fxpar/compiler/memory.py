@@ -34,6 +34,7 @@ from fxpar.core.stages import Transfer
 from fxpar.core.units import nbytes
 from fxpar.passes.spatial_region import SpatialLayout
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
+from fxpar.runtime.segments import cut
 from fxpar.runtime.spatial.ops import Halo, HaloOp
 
 if TYPE_CHECKING:
@@ -121,9 +122,27 @@ def kept_bytes(program: Program, stage: int, tile: int = 0) -> int:
     replay them, fxpar.runtime.recompute)."""
     flight = in_flight(program, stage)
     nodes, halos = _node_bytes(program, stage), _halo_part(program, stage, tile)
+    if program.plan.recompute_segments > 1:
+        nodes = min(nodes, _segment_bytes(program, stage))
     if stage in program.recompute:
         return nodes + halos * flight
     return (nodes + halos) * flight
+
+
+def _segment_bytes(program: Program, stage: int) -> int:
+    """With checkpoint segments (fxpar.runtime.segments): the segments' boundary tensors, kept
+    through the forward, plus the largest segment, recomputed at its backward."""
+    parts = program.plan.group_size(stage)
+
+    def weight(n: fx.Node) -> float:
+        c, lay = meta.find(n, NodeCost), meta.find(n, SpatialLayout)
+        if c is None:
+            return 0.0
+        return c.out_bytes / (parts if lay is not None and lay.tiled else 1)
+
+    segments = cut(program.graph.modules[stage], program.plan.recompute_segments)
+    kept = sum(weight(n) for s in segments for n in s.outputs)
+    return int(kept + max(sum(weight(n) for n in s.nodes) for s in segments))
 
 
 def _node_bytes(program: Program, stage: int) -> int:

@@ -86,6 +86,12 @@ class Plan:
     them (the default); "auto" recomputes the stages the memory estimate says must be, for
     ``memory_per_rank``. A recomputed spatial stage replays the halos and statistics its
     first forward received: no extra messages (fxpar.runtime.recompute)."""
+    recompute_segments: int = 1
+    """Checkpoint segments per stage: each stage's forward is cut into this many pieces of
+    about equal activation bytes and only their inputs are kept for backward; each piece runs again
+    (replaying its exchanges) right before its own backward. With one large image per step
+    this is what lowers the peak (stage recompute cannot); ~sqrt(layers) is the usual
+    choice. 1: off. [--recompute-segments]"""
     memory_per_rank: int | None = None
     """Bytes each rank may hold (parameters, gradients, optimizer state, activations, received
     tensors, as ``fxpar-inspect --memory`` estimates them); used by ``recompute="auto"``."""
@@ -147,7 +153,7 @@ class Plan:
 
         ok = all([positive_int(n) for n in
                   ("stages", "microbatches", "spatial_parts", "spatial_stages", "gems_times",
-                   "data_parallel")])
+                   "data_parallel", "recompute_segments")])
         if self.schedule not in SCHEDULES:
             out.append(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.recompute not in RECOMPUTE:

@@ -263,7 +263,8 @@ class RankProgram:
             self._tiling(),
             chunk=lambda copy, mb: first_chunk(plan, dp, copy) + mb,
             sync=self._sync, recompute=program.recompute,
-            precision=PRECISION_DTYPES[plan.precision], before_step=self._before_step)
+            precision=PRECISION_DTYPES[plan.precision], before_step=self._before_step,
+            segments=plan.recompute_segments)
 
     def _before_step(self) -> bool:
         """With a loss scale: unscale this rank's gradients, agree with every rank on whether

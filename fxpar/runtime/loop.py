@@ -41,6 +41,7 @@ from fxpar.core.messages import Message, messages, transfer_kind
 from fxpar.core.schedule import Action, Schedule, format_grid
 from fxpar.core.stages import StageGraph, Transfer
 from fxpar.runtime.recompute import Record, buffers, recording, replaying, restore
+from fxpar.runtime.segments import Segmented, segmented
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Key = tuple[int, int, int]  # (copy, stage, micro-batch)
@@ -142,6 +143,9 @@ class Runtime:
     before_step: Callable[[], bool] = lambda: True
     """Called by STEP before the optimizer step, on every rank; False skips the step (a
     float16 loss scale saw an inf: fxpar.runtime.scale)."""
+    segments: int = 1
+    """Checkpoint segments per stage (``Plan.recompute_segments``; fxpar.runtime.segments)."""
+    _segmented: dict[int, Segmented] = field(default_factory=dict, repr=False)
     precision: torch.dtype | None = None
     """The compute dtype of a mixed-precision plan: the loss runs under ``torch.autocast``
     in it, as in a user's autocast block (the stages' casts are graph nodes already:
@@ -255,7 +259,10 @@ class Runtime:
              ins: list[torch.Tensor]) -> tuple[Any, ...]:
         """The stage's outputs; for the last stage in training, its scaled loss, recorded once
         per step (not again when a recompute runs it a second time)."""
-        outs = module(*ins)
+        if self.segments > 1 and st.train and torch.is_grad_enabled():
+            outs = segmented(self._segmented, module, self.segments, self.device)(*ins)
+        else:
+            outs = module(*ins)
         if a.stage != len(self.graph.modules) - 1:
             return outs
         result = outs[0]
@@ -296,6 +303,14 @@ class Runtime:
             module = self.stages[(a.copy, a.stage)]
             saved = buffers(module)
             outs = self._recompute(a, st)
+            try:
+                self._backward_of(a, st, outs)
+            finally:
+                restore(module, saved)
+            return
+        if self.segments > 1:  # the segments' recomputation updated the buffers again
+            module = self.stages[(a.copy, a.stage)]
+            saved = buffers(module)
             try:
                 self._backward_of(a, st, outs)
             finally:

@@ -52,6 +52,18 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...], fxpar.Pla
                                recompute="always"), True),
     "unet_sp2_dp2_always": (_unet, (4, 3, 32, 32),
                             P(spatial_parts=2, data_parallel=2, recompute="always"), True),
+    "unet_sp4_segments3": (_unet, (2, 3, 32, 40), P(spatial_parts=4, recompute_segments=3),
+                           True),
+    "amoeba_sp2_pp2_1f1b_segments4": (_amoeba, (4, 3, 48, 48),
+                                      P(stages=2, spatial_parts=2, microbatches=2,
+                                        schedule="1f1b", recompute_segments=4), False),
+    "unet_pp2_always_and_segments2": (_unet, (4, 3, 32, 32),
+                                      P(stages=2, microbatches=2, recompute="always",
+                                        recompute_segments=2), True),
+    "unet3d_cube_segments3": (lambda: models.build("unet3d", in_channels=3, num_classes=3,
+                                                   base=2, depth=3),
+                              (2, 3, 16, 16, 16), P(spatial_parts=4, slice="cube",
+                                                    recompute_segments=3), True),
     "unet3d_cube_always": (lambda: models.build("unet3d", in_channels=3, num_classes=3, base=2,
                                                 depth=3),
                            (2, 3, 16, 16, 16), P(spatial_parts=4, slice="cube",
@@ -131,7 +143,8 @@ def _saved_in_forward() -> Iterator[list[int]]:
 
 def case_recompute_saves_nothing_at_f_and_exchanges_the_same() -> None:
     """SP3+PP2 U-Net (4 ranks): the same loss and messages per rank with and without
-    recompute; the F actions of a recomputed stage save nothing for backward."""
+    recompute (stage recompute and checkpoint segments); the F actions of a recomputed stage
+    save nothing for backward."""
     plan = P(stages=2, spatial_parts=3, slice="horizontal", microbatches=2)
     comm = sub_comm(plan.world_size)
     if comm is None:
@@ -141,17 +154,24 @@ def case_recompute_saves_nothing_at_f_and_exchanges_the_same() -> None:
     x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
     y = torch.randint(0, 3, (4, 32, 32))
     got = {}
-    for mode in ("never", "always"):
+    for mode in ("never", "always", "segments"):
+        fields = {"recompute": mode} if mode != "segments" else {"recompute_segments": 3}
         program = fxpar.compile(copy.deepcopy(model), fxpar.Plan(**{**plan.to_json(),
-                                                                   "recompute": mode}),
+                                                                   **fields}),
                                 torch.empty(x.shape, dtype=x.dtype, device="meta"),
                                 loss_fn=F.cross_entropy)
         with program.local(comm) as rp, _counted() as calls, _saved_in_forward() as saved:
             loss = rp.train_step(x, y)
+            pieces = [len(r.segments) for r in rp.runtime._segmented.values()]
+        assert pieces == ([3] if mode == "segments" else []), (mode, pieces)
         got[mode] = (loss, dict(calls), saved[0])
     (loss0, calls0, saved0), (loss1, calls1, saved1) = got["never"], got["always"]
     assert calls1 == calls0, f"rank {comm.rank}: recompute changed the exchanges: {calls0} -> " \
                              f"{calls1}"
+    loss2, calls2, _ = got["segments"]  # checkpoint segments replay theirs too
+    assert calls2 == calls0, f"rank {comm.rank}: segments changed the exchanges: {calls0} -> " \
+                             f"{calls2}"
+    assert torch.equal(torch.as_tensor(loss0), torch.as_tensor(loss2)), (loss0, loss2)
     assert calls0.get("isend", 0) > 0 or comm.rank >= 3, calls0
     assert saved0 > 0 and saved1 == 0, (saved0, saved1)
     assert torch.equal(torch.as_tensor(loss0), torch.as_tensor(loss1)), (loss0, loss1)
