@@ -150,6 +150,14 @@ CATALOGUE: list[Entry] = [
           PlanError, r'recompute="auto" chooses the stages to recompute for a memory budget',
           "Give memory_per_rank in bytes (fxpar-run: --memory-per-rank 4GiB), or choose the "
           'stages yourself with "always" / "except_last".', lambda: Plan(recompute="auto")),
+    Entry("plan-recompute-segments", "plan", "recompute_segments is not a positive integer",
+          PlanError, r"Plan\.recompute_segments must be an integer >= 1",
+          "Give the number of checkpoint segments per stage, 1 for none (fxpar-run: "
+          "--recompute-segments 8).", lambda: Plan(recompute_segments=0)),
+    Entry("plan-precision", "plan", "an unknown precision", PlanError,
+          r"Plan\.precision must be one of \('fp32', 'bf16', 'fp16'\)",
+          'Use precision="fp32", "bf16" or "fp16" (fxpar-run: --precision bf16).',
+          lambda: Plan(precision="half")),
     Entry("plan-memory-budget", "plan", "memory_per_rank is not a positive number of bytes",
           PlanError, r"Plan\.memory_per_rank must be a number of bytes",
           "Give bytes as an integer, e.g. 4 * 2**30 for 4 GiB.",
@@ -181,7 +189,8 @@ CATALOGUE: list[Entry] = [
     Entry("plan-unknown-field", "plan", "a misspelt Plan field", TypeError,
           r"unexpected keyword argument", "Use the field names of fxpar.Plan (stages, balance, "
           "microbatches, schedule, spatial_parts, slice, grid, spatial_stages, gems, "
-          "gems_times, data_parallel, recompute, strict); Plan takes keywords only.",
+          "gems_times, data_parallel, recompute, recompute_segments, memory_per_rank, "
+          "precision, channels_last, strict); Plan takes keywords only.",
           lambda: Plan(stage=2)),
     Entry("plan-not-a-plan", "plan", "build() is given something else than a Plan",
           TypeError, r"needs plan=fxpar\.Plan", "Build the plan with fxpar.Plan(**fields).",
