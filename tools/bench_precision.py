@@ -8,7 +8,8 @@
     RSS before the model was built (imports and MPI excluded);
     the largest rank counts. Activation memory is linear in the pixels, so each system is
     measured at two sizes and the line through them gives the side that reaches the budget;
-    the first and the last system of each model are then launched at that side to check it.
+    the first and the last system of each model are then launched at that side, and the line
+    through that check and the larger size gives their side.
 (d) Step time of bfloat16 and float16 against float32 on this CPU, one process x 1 thread,
     fxpar's single-rank program next to eager PyTorch under ``torch.autocast`` (the limit:
     the same kernels without fxpar), in interleaved rounds.
@@ -165,6 +166,21 @@ def largest(sizes: tuple[int, int], peaks: tuple[float, float], budget: float) -
     return {"bytes_per_pixel": slope, "fixed": fixed, "side": side}
 
 
+def refine(rows: list[dict[str, Any]], budget: float) -> None:
+    """Where a system was checked at its predicted side, the line through its larger measured
+    size and the check (two measured points, one near the budget) gives the side instead
+    (``source`` says which); pixel ratios against the one-process row of the same model."""
+    for r in rows:
+        check = r.get("checked")
+        r["source"] = "extrapolated from the two sizes"
+        if check and check["side"] > r["sizes"][1]:
+            fit = largest((r["sizes"][1], check["side"]), (r["peaks"][1], check["peak"]), budget)
+            r.update(side=fit["side"], source="interpolated: larger size and check")
+    for r in rows:
+        base = next(b for b in rows if b["model"] == r["model"] and b["ranks"] == 1)
+        r["pixels_ratio"] = (r["side"] / base["side"]) ** 2 if base["side"] else 0.0
+
+
 def memory_rows(opts: argparse.Namespace, models: list[str]) -> list[dict[str, Any]]:
     sizes = tuple(int(s) for s in opts.precision_sizes.split(","))
     budget = opts.precision_budget_gib * GIB
@@ -182,9 +198,6 @@ def memory_rows(opts: argparse.Namespace, models: list[str]) -> list[dict[str, A
             print(f"  peaks {[round(p / GIB, 2) for p in peaks]} GiB -> {fit['side']}^2",
                   file=sys.stderr, flush=True)
         base = next(r for r in rows if r["model"] == model and r["ranks"] == 1)
-        for r in rows:
-            if r["model"] == model:
-                r["pixels_ratio"] = (r["side"] / base["side"]) ** 2 if base["side"] else 0.0
         for row in (base, rows[-1]):  # the prediction checked for the first and the last
             if opts.precision_no_check or row["side"] < 32:
                 continue
@@ -231,17 +244,19 @@ def section(mem: list[dict[str, Any]], tm: dict[str, Any], opts: argparse.Namesp
     mem_table = {"title": f"(c) Largest square image per rank within {budget:g} GiB "
                           f"(measured at {sizes} px, extrapolated linearly in pixels)",
                  "columns": ["model", "system", "peak GiB at the two sizes",
-                             "MiB per megapixel", "fixed GiB", "largest side", "pixels / "
-                             "one process", "checked at that side"],
+                             "MiB per megapixel", "fixed GiB", "checked: peak at the "
+                             "predicted side", "largest side", "from", "pixels / one "
+                             "process"],
                  "rows": []}
     aims = []
+    refine(mem, budget * GIB)
     for r in mem:
         check = r.get("checked")
         mem_table["rows"].append([
             r["model"], r["system"], " / ".join(_gib(p) for p in r["peaks"]),
             f"{r['bytes_per_pixel'] * 1e6 / 2**20:.0f}", _gib(r["fixed"]),
-            f"{r['side']}^2", f"{r['pixels_ratio']:.1f}x",
-            f"{_gib(check['peak'])} GiB at {check['side']}^2" if check else ""])
+            f"{_gib(check['peak'])} GiB at {check['side']}^2" if check else "-",
+            f"{r['side']}^2", r["source"], f"{r['pixels_ratio']:.1f}x"])
         if r["system"] == "SP4 bf16 + segments":
             aims.append({"what": f"largest image within {budget:g} GiB per rank, SP4 + bf16 + "
                                  f"segments vs one process fp32, {r['model']} (pixels)",
@@ -269,9 +284,11 @@ def section(mem: list[dict[str, Any]], tm: dict[str, Any], opts: argparse.Namesp
         f"largest rank counts. Systems: plain eager PyTorch in float32 (one process), fxpar "
         f"`Plan(spatial_parts=4)` in float32, and fxpar `Plan(spatial_parts=4, "
         f"precision='bf16', recompute_segments=8)`. The line through the two sizes' peaks "
-        f"(activations grow with the pixels) gives the side that reaches the budget; the first "
-        f"and the last system of each model are then launched at that side (their peaks are "
-        f"shown). AmoebaNet-D "
+        f"(activations grow with the pixels) predicts the side that reaches the budget; the "
+        f"first and the last system of each model are then launched at that side (their "
+        f"peaks are shown), and their largest side is read off the line through the larger "
+        f"size and that check instead, two measured points one of which is near the "
+        f"budget. AmoebaNet-D "
         f"is ({opts.precision_amoeba}). **(d)** Each round launches, in rotated order, eager "
         f"PyTorch under `torch.autocast` (GradScaler for fp16) and fxpar's 1-rank program "
         f"with `Plan(precision=...)`, each 1 warm-up and 3 timed steps (median).")
