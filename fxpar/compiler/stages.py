@@ -20,6 +20,7 @@ from fxpar.core import meta
 from fxpar.core.meta import TensorInfo
 from fxpar.core.stages import StageGraph, StageInput, Transfer
 from fxpar.passes.split_stages import StageAssignment
+from fxpar.runtime.segments import writes_in_place
 
 
 def _attr(root: torch.nn.Module, target: str) -> object:
@@ -44,23 +45,11 @@ def _with_original_names(sub: fx.GraphModule, prefix: str, qualnames: dict[str, 
     return gm
 
 
-def _writes_in_place(gm: fx.GraphModule, n: fx.Node) -> bool:
-    if n.op == "call_module":
-        return bool(getattr(gm.get_submodule(str(n.target)), "inplace", False))
-    if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-        first = n.target._schema.arguments[:1]  # aten.relu_: its first argument is written
-        return bool(first) and first[0].alias_info is not None and first[0].alias_info.is_write
-    if n.op == "call_function":
-        return bool(n.kwargs.get("inplace", False))
-    return n.op == "call_method" and str(n.target).endswith("_") and \
-        not str(n.target).startswith("_")
-
-
 def mutated_inputs(gm: fx.GraphModule) -> frozenset[int]:
     """Positions of ``gm``'s inputs that an in-place op writes to (as its first argument)."""
     out = set()
     for i, ph in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
-        if any(_writes_in_place(gm, u) and u.args and u.args[0] is ph for u in ph.users):
+        if any(writes_in_place(gm, u) and u.args and u.args[0] is ph for u in ph.users):
             out.add(i)
     return frozenset(out)
 
