@@ -60,6 +60,22 @@ class Net(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
+class Net3d(nn.Module):
+    """A volume classifier: 3x3x3 convolutions, BatchNorm3d, a 3-D max pool (on autocast's
+    CPU float32 list: the pass casts its input back to float32), trilinear upsampling."""
+
+    def __init__(self, classes: int = 5) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv3d(3, 8, 3, padding=1, bias=False), nn.BatchNorm3d(8), nn.ReLU(),
+            nn.MaxPool3d(2), nn.Conv3d(8, 16, 3, padding=1, bias=False), nn.BatchNorm3d(16),
+            nn.ReLU(), nn.Upsample(scale_factor=2, mode="trilinear"), nn.Conv3d(16, 16, 1))
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).mean((2, 3, 4)))
+
+
 def reference_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                    y: torch.Tensor, chunks: int, dtype: torch.dtype,
                    scaler: torch.amp.GradScaler | None) -> float:
@@ -204,6 +220,10 @@ def case_bf16_gems_dp2() -> None:
 
 def case_bf16_sp2_gems() -> None:
     check_mixed(Net, SHAPE, P(stages=2, spatial_parts=2, gems=True, microbatches=2), "bf16")
+
+
+def case_bf16_volume_cube4() -> None:
+    check_mixed(Net3d, (2, 3, 16, 16, 16), P(spatial_parts=4, slice="cube"), "bf16")
 
 
 def case_fp16_sp4() -> None:
