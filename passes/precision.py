@@ -28,10 +28,10 @@ that shapes, dtypes, message sizes and memory estimates follow the casts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -108,15 +108,8 @@ class _Probe(fx.Interpreter):
         return out
 
 
-def _tensors(x: Any) -> Iterator[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _tensors(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors(y)
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def autocast_casts(gm: fx.GraphModule, dtype: torch.dtype
@@ -130,11 +123,10 @@ def autocast_casts(gm: fx.GraphModule, dtype: torch.dtype
 
 
 def insert_casts(gm: fx.GraphModule, casts: dict[fx.Node, dict[fx.Node, torch.dtype]]
-                 ) -> int:
+                 ) -> None:
     """Put an ``aten._to_copy`` before each node of ``casts`` for each input it names (the
-    node's own copy, so a cast never crosses a stage boundary). Returns how many."""
+    node's own copy, so a cast never crosses a stage boundary)."""
     g = gm.graph
-    count = 0
     for n, inputs in casts.items():
         made: dict[fx.Node, fx.Node] = {}
         for a, dtype in inputs.items():
@@ -144,10 +136,8 @@ def insert_casts(gm: fx.GraphModule, casts: dict[fx.Node, dict[fx.Node, torch.dt
                 if key in n.meta:
                     c.meta[key] = n.meta[key]
             made[a] = c
-            count += 1
         n.args = fx.node.map_arg(n.args, lambda a, m=made: m.get(a, a))  # type: ignore
         n.kwargs = fx.node.map_arg(n.kwargs, lambda a, m=made: m.get(a, a))  # type: ignore
-    return count
 
 
 def precision(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:

@@ -299,24 +299,20 @@ class Runtime:
     def _backward(self, a: Action, st: StepState) -> None:
         key = (a.copy, a.stage, a.mb)
         outs = st.outputs.pop(key)
-        if key in st.records:
-            module = self.stages[(a.copy, a.stage)]
-            saved = buffers(module)
+        recomputed = key in st.records
+        if not recomputed and self.segments == 1:
+            self._backward_of(a, st, outs)
+            return
+        # a recompute (of the stage, or of its checkpoint segments inside the backward)
+        # updates the buffers a second time: they go back once the backward is done
+        module = self.stages[(a.copy, a.stage)]
+        saved = buffers(module)
+        if recomputed:
             outs = self._recompute(a, st)
-            try:
-                self._backward_of(a, st, outs)
-            finally:
-                restore(module, saved)
-            return
-        if self.segments > 1:  # the segments' recomputation updated the buffers again
-            module = self.stages[(a.copy, a.stage)]
-            saved = buffers(module)
-            try:
-                self._backward_of(a, st, outs)
-            finally:
-                restore(module, saved)
-            return
-        self._backward_of(a, st, outs)
+        try:
+            self._backward_of(a, st, outs)
+        finally:
+            restore(module, saved)
 
     def _backward_of(self, a: Action, st: StepState, outs: tuple[Any, ...]) -> None:
         key = (a.copy, a.stage, a.mb)

@@ -80,9 +80,8 @@ def cut(gm: fx.GraphModule, k: int) -> list[Segment]:
         acc += _cost(n)
         if len(cuts) == k - 1 or acc < target * (len(cuts) + 1):
             continue
-        crossing = {a for m in body[i + 1:] for a in m.all_input_nodes
-                    if a in index and index[a] <= i}
-        if any(last_write.get(a, -1) > i for a in crossing):
+        # a tensor made up to here and written after here crosses the cut (its writer reads it)
+        if any(index[a] <= i < w for a, w in last_write.items() if a in index):
             continue
         cuts.append(i + 1)
     bounds = [0, *cuts, len(body)]
