@@ -15,9 +15,11 @@ from the record; the random number generator is replayed, so dropout draws the s
 BatchNorm's running statistics are updated again by the recomputation: the runtime puts the
 stage's buffers back after its backward, as for stage recompute.
 
-A cut is only placed where no tensor crossing it is written in place after it (torch.export's
-graphs keep ``relu_`` / ``add_``): a segment never mutates its own inputs, so recomputing it
-from them gives what the first forward computed.
+A segment must not mutate its own inputs, or its recomputation would start from the written
+values (torch.export's graphs keep ``relu_`` / ``add_``; a stage input can be written by the
+stage's first node). A cut is only placed where no tensor made before it is written in place
+after it; a stage input that a segment writes is cloned inside the checkpointed function and
+the written clone is what later nodes read.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Segment:
     nodes: tuple[fx.Node, ...]
     inputs: tuple[fx.Node, ...]
     outputs: tuple[fx.Node, ...]
+    written: tuple[int, ...] = ()  # positions in ``inputs`` the segment writes in place
 
 
 def _cost(n: fx.Node) -> int:
@@ -93,7 +96,9 @@ def cut(gm: fx.GraphModule, k: int) -> list[Segment]:
         inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
                                     if a not in inside and a.op != "get_attr"))
         outputs = [n for n in nodes if any(u is out or index.get(u, -1) >= hi for u in n.users)]
-        segments.append(Segment(tuple(nodes), tuple(inputs), tuple(outputs)))
+        writes = {n.args[0] for n in nodes if writes_in_place(gm, n) and n.args}
+        written = tuple(i for i, a in enumerate(inputs) if a in writes)
+        segments.append(Segment(tuple(nodes), tuple(inputs), tuple(outputs), written))
     return segments
 
 
@@ -111,19 +116,21 @@ class Segmented:
         for seg in self.segments:
             outs = checkpoint(self._run, seg, *[env[a] for a in seg.inputs],
                               use_reentrant=False, context_fn=self._contexts)
-            env.update(zip(seg.outputs, outs, strict=True))
+            env.update(zip(seg.outputs + tuple(seg.inputs[i] for i in seg.written), outs,
+                           strict=True))
         out = self.gm.graph.output_node()
         return fx.node.map_arg(out.args[0], lambda n: env[n])
 
     def _run(self, seg: Segment, *ins: Any) -> tuple[Any, ...]:
         runner = fx.Interpreter(self.gm)
+        ins = tuple(x.clone() if i in seg.written else x for i, x in enumerate(ins))
         runner.env = dict(zip(seg.inputs, ins, strict=True))
         for n in seg.nodes:
             for a in n.all_input_nodes:
                 if a.op == "get_attr" and a not in runner.env:
                     runner.env[a] = runner.run_node(a)
             runner.env[n] = runner.run_node(n)
-        return tuple(runner.env[n] for n in seg.outputs)
+        return tuple(runner.env[n] for n in seg.outputs) + tuple(ins[i] for i in seg.written)
 
     def _contexts(self) -> tuple[Any, Any]:
         """``checkpoint``'s context_fn: record the first forward's exchanges, replay them."""

@@ -33,6 +33,24 @@ def _amoeba() -> torch.nn.Module:
     return models.build("amoebanet", num_classes=5, num_layers=3, num_filters=16)
 
 
+class _AddAtCut(torch.nn.Module):
+    """``a += b`` right after a stage cut: stage 1's input is written in place by its first
+    node, so a checkpoint segment that recomputed from that input would add ``b`` twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        conv = [torch.nn.Conv2d(3 if i < 2 else 8, 8, 3, padding=1) for i in range(4)]
+        self.c1, self.c2, self.c3, self.c4 = conv
+        self.fc = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.c1(x)
+        b = self.c2(x)
+        a += b
+        a = self.c4(self.c3(F.relu(a)))
+        return self.fc(F.relu(a).mean((2, 3)))
+
+
 CASES: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...], fxpar.Plan, bool]] = {
     "unet_one_mb2_always": (_unet, (4, 3, 32, 32), P(microbatches=2, recompute="always"),
                             True),
@@ -64,6 +82,13 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...], fxpar.Pla
                                                    base=2, depth=3),
                               (2, 3, 16, 16, 16), P(spatial_parts=4, slice="cube",
                                                     recompute_segments=3), True),
+    "add_in_place_at_cut_pp2_segments2": (_AddAtCut, (4, 3, 16, 16),
+                                          P(stages=2, balance=(2, 7), microbatches=2,
+                                            recompute_segments=2), False),
+    "add_in_place_at_cut_sp2_pp2_segments3": (_AddAtCut, (4, 3, 16, 16),
+                                              P(stages=2, balance=(2, 7), spatial_parts=2,
+                                                spatial_stages=2, microbatches=2,
+                                                recompute_segments=3), False),
     "unet3d_cube_always": (lambda: models.build("unet3d", in_channels=3, num_classes=3, base=2,
                                                 depth=3),
                            (2, 3, 16, 16, 16), P(spatial_parts=4, slice="cube",
