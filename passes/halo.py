@@ -32,6 +32,7 @@ from fxpar.core.geometry import Exchange, Grid, Rect, avg_counts, exchange
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.aten_ops import arg
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, Pointwise, Reduce, Window, classify
+from fxpar.passes.halo_fusion import FUSION_KEY, FusedRegion, GroupInfo, fusion_groups
 from fxpar.passes.spatial_region import SpatialLayout
 from fxpar.passes.split_stages import model_output
 from fxpar.runtime.spatial.interp import TileInterp
@@ -121,9 +122,20 @@ def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
     own = ctx.grid.tile_rect(out_ext, ctx.tile)
     need = needs[ctx.tile]
     g = ctx.gm.graph
-    if op.kind in ("conv", "maxpool", "avgpool"):
+    fused, inside = meta.find(n, FusedRegion), meta.find(x, FusedRegion)
+    if fused is not None or inside is not None:  # in a fused halo group (halo_fusion)
+        out = fused.regions[ctx.tile] if fused is not None else own
+        if inside is not None:  # the window is local: x holds a region wider than the tile
+            need = Rect(*(op.needs(iv, i) for i, iv in enumerate(out.dims)))
+            ex = Exchange(inside.regions[ctx.tile], need, in_ext, (), (), op.fill)
+        else:  # the group's head: its one exchange brings the whole group's window
+            ex = exchange(ctx.grid, in_ext, list(fused.needs), ctx.tile, op.fill)
         with g.inserting_before(n):
-            new = _fused(ctx, n, op, x, needs, own, in_ext, out_ext)
+            new = _fused(ctx, n, op, x, ex, out, in_ext, out_ext, local=inside is not None)
+    elif op.kind in ("conv", "maxpool", "avgpool"):
+        ex = exchange(ctx.grid, in_ext, needs, ctx.tile, op.fill)
+        with g.inserting_before(n):
+            new = _fused(ctx, n, op, x, ex, own, in_ext, out_ext)
     else:
         win = _halo(ctx, n, x, needs, op.fill)
         with g.inserting_before(n):
@@ -131,12 +143,12 @@ def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
     _replace(g, n, new)
 
 
-def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, needs: list[Rect], own: Rect,
-           in_ext: tuple[int, ...], out_ext: tuple[int, ...]) -> fx.Node:
+def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, ex: Exchange, own: Rect,
+           in_ext: tuple[int, ...], out_ext: tuple[int, ...], local: bool = False) -> fx.Node:
     """One HaloOp node: exchange + op, keeping only the tile and the halo pieces for
-    backward (see fxpar.runtime.spatial.ops._HaloOp)."""
+    backward (see fxpar.runtime.spatial.ops._HaloOp). ``own``: the output region this tile
+    computes; ``local``: inside a fused halo group (the window is already here)."""
     g = ctx.gm.graph
-    ex = exchange(ctx.grid, in_ext, needs, ctx.tile, op.fill)
     args: tuple[Any, ...] = (x,)
     if op.kind == "conv":
         groups, w, b = _weights(n)
@@ -151,7 +163,8 @@ def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, needs: list[Rect], own
                "divisor_override": override if (override or plain) else 1}
     tag = ctx.tag()
     whole = x in ctx.replicated or not _tiled(x)
-    name = ctx.add("halo", HaloOp(ex, ctx.key, op.kind, cfg, whole, tag))
+    name = ctx.add("halo", HaloOp(ex, ctx.key, op.kind, cfg, whole and not local, tag,
+                                  fused=local))
     node = g.call_module(name, args)
     if op.kind == "avgpool" and cfg["divisor_override"] == 1 and not op.attr("divisor_override"):
         counts = [avg_counts(in_ext[i], out_ext[i], op.k[i], op.s[i], op.p[i],
@@ -257,8 +270,15 @@ def _tile_batch_norm(ctx: _Ctx, n: fx.Node) -> None:
     """A captured graph's BatchNormOp -> TileBatchNorm (global statistics over the tiles)."""
     bn = ctx.gm.get_submodule(str(n.target))
     shape = _shape(n)
+    fused = meta.find(n, FusedRegion)  # holds a fused halo group's border: own box's stats
+    box = None
+    if fused is not None:
+        region = fused.regions[ctx.tile]
+        own = ctx.grid.tile_rect(_extent(n), ctx.tile)
+        box = tuple((a - r, b - r) for (a, b), (r, _) in zip(own.dims, region.dims,
+                                                               strict=True))
     name = ctx.add("syncbn", TileBatchNorm(ctx.key, shape[0] * math.prod(shape[2:]),
-                                           bn.momentum, bn.eps, bn.owner))
+                                           bn.momentum, bn.eps, bn.owner, box))
     x = _as_tile(ctx, n, n.args[0])  # the input image is whole: my tile
     with ctx.gm.graph.inserting_before(n):
         new = ctx.gm.graph.call_module(name, (x, *n.args[1:]))
@@ -266,15 +286,18 @@ def _tile_batch_norm(ctx: _Ctx, n: fx.Node) -> None:
 
 
 def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
-               batch_inputs: set[int]) -> fx.GraphModule:
+               batch_inputs: set[int], fusion: str = "off") -> fx.GraphModule:
     """A copy of ``stage`` that runs tile ``tile`` of ``grid`` (parameters shared).
 
     batch_inputs: positions of the stage's inputs that are the model's input (every rank holds
-    the whole image, so halos read from it are local slices)."""
+    the whole image, so halos read from it are local slices). fusion: ``Plan.halo_fusion``
+    (fxpar.passes.halo_fusion: which windowed ops share one exchange)."""
     graph = fx.Graph()
     out = graph.graph_copy(stage.graph, {})
     graph.output(out)
     gm = fx.GraphModule(stage, graph, class_name=f"{type(stage).__name__}Tile{tile}")
+    gm.meta[FUSION_KEY] = tuple(GroupInfo(tuple(n.name for n in g.ops), g.widths(grid, tile))
+                                for g in fusion_groups(gm, grid, fusion))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     ctx = _Ctx(gm, grid, tile, key, {placeholders[i] for i in batch_inputs})
     joins: dict[fx.Node, fx.Node] = {}

@@ -32,7 +32,15 @@ from fxpar.compiler.memory import memory_table
 from fxpar.compiler.passdriver import HALO, TRACE, dump
 from fxpar.compiler.report import halo_table, node_table, rank_table, stage_table, totals_line
 from fxpar.compiler.simulate import simulate, stage_costs
-from fxpar.core.plan import PRECISION_DTYPES, RECOMPUTE, SCHEDULES, SLICES, Plan, PlanError
+from fxpar.core.plan import (
+    HALO_FUSION,
+    PRECISION_DTYPES,
+    RECOMPUTE,
+    SCHEDULES,
+    SLICES,
+    Plan,
+    PlanError,
+)
 from fxpar.core.schedule import format_grid
 from fxpar.frontend.trace import TraceError, trace
 from fxpar.io.metrics import load_metrics
@@ -84,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=tuple(PRECISION_DTYPES), default="fp32",
                    help="compute dtype: bf16 / fp16 show autocast's casts (--after precision) "
                    "and halve activations and messages (--memory)")
+    g.add_argument("--halo-fusion", choices=HALO_FUSION, default="off",
+                   help="consecutive convolutions / pools share one wider halo exchange "
+                   "(--halos lists the fused groups and their widths)")
     v = p.add_argument_group("views (each replaces the default report)")
     v.add_argument("--after", metavar="PASS", help=f"print the graph after PASS, one of: "
                    f"{', '.join(PASS_NAMES)} (halo: the tile modules, tile 0 or --rank's)")
@@ -218,7 +229,7 @@ def _main(args: argparse.Namespace) -> int:
     program = None
     if not views and args.stages is None and args.spatial_parts == 1 and args.grid is None \
             and not args.gems and args.data_parallel == 1 and args.precision == "fp32" \
-            and args.recompute_segments == 1:
+            and args.recompute_segments == 1 and args.halo_fusion == "off":
         gm = trace(model, example)
     else:
         balance = tuple(int(b) for b in args.balance.split(",")) if args.balance else None
@@ -229,7 +240,8 @@ def _main(args: argparse.Namespace) -> int:
                     gems_times=args.times, data_parallel=args.data_parallel,
                     recompute=args.recompute, memory_per_rank=args.memory_per_rank,
                     recompute_segments=args.recompute_segments,
-                    channels_last=args.channels_last, precision=args.precision)
+                    channels_last=args.channels_last, precision=args.precision,
+                    halo_fusion=args.halo_fusion)
         # the model is on meta; inspecting never computes with weights, so a rank's modules
         # get memory without values (no reset_parameters: a module with none is fine here)
         program = fx_compile(model, plan, example, after_pass=after_pass,

@@ -36,7 +36,15 @@ from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import compile as fx_compile
 from fxpar.core.geometry import Rect
-from fxpar.core.plan import PRECISION_DTYPES, RECOMPUTE, SCHEDULES, SLICES, Plan, PlanError
+from fxpar.core.plan import (
+    HALO_FUSION,
+    PRECISION_DTYPES,
+    RECOMPUTE,
+    SCHEDULES,
+    SLICES,
+    Plan,
+    PlanError,
+)
 from fxpar.frontend.trace import TraceError
 from fxpar.io.checkpoint import CheckpointError
 from fxpar.io.data import (
@@ -65,7 +73,8 @@ PLAN_FLAGS = (("stages", "--stages/--split-size", 1), ("balance", "--balance", N
               ("memory_per_rank", "--memory-per-rank", None),
               ("recompute_segments", "--recompute-segments", 1),
               ("channels_last", "--channels-last", False),
-              ("precision", "--precision", "fp32"))
+              ("precision", "--precision", "fp32"),
+              ("halo_fusion", "--halo-fusion", "off"))
 MODEL_FLAGS = (("model_arg", "-k"), ("num_layers", "--num-layers"),
                ("num_filters", "--num-filters"))
 USER_ERRORS = (PlanError, ModelSpecError, TraceError, DataError, CheckpointError, ValueError,
@@ -154,6 +163,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=tuple(PRECISION_DTYPES),
                    help="compute dtype (default fp32): bf16 or fp16 as under torch.autocast, "
                    "with float32 weights; fp16 adds a dynamic loss scale")
+    g.add_argument("--halo-fusion", choices=HALO_FUSION,
+                   help="spatial plans: consecutive convolutions / pools share one wider halo "
+                   "exchange (default off; auto: where the cost model says it pays)")
     return p
 
 
@@ -171,7 +183,8 @@ def plan_from_args(a: argparse.Namespace) -> Plan:
                 gems_times=v["times"], data_parallel=v["data_parallel"],
                 recompute=v["recompute"], memory_per_rank=v["memory_per_rank"],
                 recompute_segments=v["recompute_segments"],
-                channels_last=v["channels_last"], precision=v["precision"])
+                channels_last=v["channels_last"], precision=v["precision"],
+                halo_fusion=v["halo_fusion"])
 
 
 def input_size(a: argparse.Namespace) -> tuple[int, ...]:

@@ -55,7 +55,7 @@ def halo(stage: fx.GraphModule, plan: Plan, *, grid: Grid, tile: int, key: str,
     """The halo pass: ``stage`` rewritten for ``tile`` of ``grid`` (fxpar.passes.halo.tile_stage):
     halo exchanges, tile ops, BatchNorm sync and joins in tile group ``key``; ``batch``:
     positions of the stage's inputs that are the model input."""
-    return tile_stage(stage, grid, tile, key, batch)
+    return tile_stage(stage, grid, tile, key, batch, plan.halo_fusion)
 
 
 TILE_PASSES = [(HALO, halo)]

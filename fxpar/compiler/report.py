@@ -13,6 +13,7 @@ from fxpar.core.meta import NodeCost, TensorInfo, module_path
 from fxpar.core.stages import StageGraph
 from fxpar.core.units import nbytes, si
 from fxpar.frontend.trace import totals
+from fxpar.passes.halo_fusion import FUSION_KEY, GroupInfo
 from fxpar.passes.spatial_region import Coverage, SpatialLayout, region_ends
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
 from fxpar.runtime.modules import BatchNormOp, DropoutOp
@@ -147,8 +148,8 @@ def halo_table(program: Program) -> str:
         got = need = 0
         widest: tuple[int, ...] = ()
         pieces: dict[str, int] = {}
-        halos = [m for m in module.modules()
-                 if isinstance(m, (Halo, HaloOp)) and not m.replicated]
+        halos = [m for m in module.modules() if isinstance(m, (Halo, HaloOp))
+                 and not m.replicated and not getattr(m, "fused", False)]
         for h in halos:
             ex = h.exchange
             per_cell = _halo_cell_bytes(module, h)
@@ -169,7 +170,34 @@ def halo_table(program: Program) -> str:
     lines.append(f"(bytes per micro-batch forward; the backward sends the same amount back; "
                  f"{'/'.join(f'{k}s' for k in kinds)}: pieces received from tiles beyond this "
                  f"one along {'/'.join(str(i + 1) for i in range(len(kinds)))} dims)")
+    lines += fusion_lines(program, sides)
     return "\n".join(lines)
+
+
+FUSION_SHOWN = 12
+"""Fused groups ``fxpar-inspect`` lists per stage (the rest are counted)."""
+
+
+def fusion_lines(program: Program, sides: str) -> list[str]:
+    """``Plan(halo_fusion=...)``: per spatial stage, tile 0's fused groups (their windowed
+    ops, which share one exchange, and its widths)."""
+    info = program.spatial
+    if info is None or program.plan.halo_fusion == "off":
+        return []
+    lines = []
+    for (stage, t), module in sorted(info.tiles.items()):
+        groups: tuple[GroupInfo, ...] = module.meta.get(FUSION_KEY, ())
+        if t != 0:
+            continue
+        ops = sum(len(g.ops) for g in groups)
+        lines.append(f"halo fusion ({program.plan.halo_fusion}), stage {stage}: {len(groups)} "
+                     f"groups share one exchange for {ops} windowed ops ({ops - len(groups)} "
+                     f"exchanges fewer); tile 0's widths ({sides}):")
+        lines += [f"  {' + '.join(g.ops)}: {' '.join(map(str, g.widths))}"
+                  for g in groups[:FUSION_SHOWN]]
+        if len(groups) > FUSION_SHOWN:
+            lines.append(f"  ... {len(groups) - FUSION_SHOWN} more")
+    return lines
 
 
 def _input_extent(gm: fx.GraphModule) -> tuple[int, ...] | None:

@@ -28,6 +28,7 @@ import torch
 SCHEDULES = ("gpipe", "1f1b")
 SLICES = ("vertical", "horizontal", "square", "slab", "pencil", "cube")
 RECOMPUTE = ("never", "always", "except_last", "auto")
+HALO_FUSION = ("off", "auto", "all")
 PRECISION_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``Plan.precision`` -> the compute dtype (None: the model's own dtypes, no autocast)."""
@@ -106,6 +107,13 @@ class Plan:
     """Lay convolution weights out channels-last (NHWC / NDHWC), so convolutions and the
     activations between them run in that memory format (often faster with oneDNN and cuDNN);
     the same values, so the same training."""
+    halo_fusion: Literal["off", "auto", "all"] = "off"
+    """Spatial plans: let consecutive convolutions and pools (with pointwise ops and BatchNorm
+    between them) share one wider halo exchange, computing the border their neighbours own
+    again (fxpar.passes.halo_fusion; exact, gradients included). "auto": where the cost model
+    says the messages saved outweigh the redundant border compute; "all": every chain that
+    can be fused; "off": one exchange per windowed op. ``fxpar-inspect --halos`` lists the
+    groups and their widths. [--halo-D2 / --fused-layers]"""
     strict: bool = False
     """Spatial plans: raise (instead of warning) when the spatial region covers less than
     ``fxpar.COVERAGE_WARN`` of the forward FLOPs on image tensors, e.g. because an op without
@@ -176,6 +184,9 @@ class Plan:
                        f"{self.precision!r}")
         if not isinstance(self.channels_last, bool):
             out.append(f"Plan.channels_last must be True or False, got {self.channels_last!r}")
+        if self.halo_fusion not in HALO_FUSION:
+            out.append(f"Plan.halo_fusion must be one of {HALO_FUSION}, got "
+                       f"{self.halo_fusion!r}")
         if not isinstance(self.strict, bool):
             out.append(f"Plan.strict must be True or False, got {self.strict!r}")
         if ok and self.spatial_parts > 1 and self.spatial_stages > self.stages:

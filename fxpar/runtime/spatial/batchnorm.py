@@ -93,12 +93,12 @@ class _SyncBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
-                bias: torch.Tensor | None, comm: Comm, count: int, eps: float
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        mean, var = global_moments(x, comm)
+                bias: torch.Tensor | None, comm: Comm, count: int, eps: float,
+                box: tuple[slice, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mean, var = global_moments(x[box], comm)
         y = nn.functional.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
         ctx.save_for_backward(x, weight, mean, var)
-        ctx.comm, ctx.count, ctx.eps = comm, count, eps
+        ctx.comm, ctx.count, ctx.eps, ctx.box = comm, count, eps, box
         ctx.mark_non_differentiable(mean, var)
         return y, mean, var
 
@@ -111,29 +111,36 @@ class _SyncBatchNorm(torch.autograd.Function):
         total = ctx.comm.allreduce(torch.stack([gb_l, gw_l]))
         # gx = scale * (gy - sum(gy)/count - xhat * sum(gy * xhat)/count): the first term is
         # gx above; the rest is xhat times a per-channel factor plus a per-channel constant
+        # (a fused halo group's border cells are not in the statistics: only the box is)
         scale = torch.rsqrt(var + ctx.eps) * w
-        gx += nn.functional.batch_norm(x, mean, var, -scale * total[1] / ctx.count,
-                                       -scale * total[0] / ctx.count, False, 0.0, ctx.eps)
+        gx[ctx.box] += nn.functional.batch_norm(x[ctx.box], mean, var,
+                                                -scale * total[1] / ctx.count,
+                                                -scale * total[0] / ctx.count, False, 0.0,
+                                                ctx.eps)
         # parameter gradients stay local: the stage's ALLREDUCE sums them over the tiles
         gw = gw_l if weight is not None and ctx.needs_input_grad[1] else None
         gb = gb_l if weight is not None and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None, None
+        return gx, gw, gb, None, None, None, None
 
 
 def batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
                num_batches_tracked: torch.Tensor | None, *, batch_stats: bool, update: bool,
-               momentum: float | None, eps: float, comm: Comm | None, count: int
-               ) -> torch.Tensor:
+               momentum: float | None, eps: float, comm: Comm | None, count: int,
+               box: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
     """BatchNorm of tile ``x``: with the statistics of every tile of ``comm`` (``count``
     values per channel in all) when ``batch_stats``, updating the running statistics (unbiased
-    variance, as torch) when ``update``; else with the running statistics, no communication."""
+    variance, as torch) when ``update``; else with the running statistics, no communication.
+    ``box``: the part of ``x`` (per spatial dim, local start and stop) the tile owns, when
+    ``x`` also holds a border of a fused halo group (fxpar.passes.halo_fusion): the
+    statistics are those of the boxes; every cell is normalised with them."""
     if not batch_stats:
         return nn.functional.batch_norm(x, running_mean, running_var, weight, bias, False,
                                         0.0, eps)
     if comm is None:
         raise RuntimeError("BatchNorm with batch statistics on a tile needs its tile group")
-    y, mean, var = _SyncBatchNorm.apply(x, weight, bias, comm, count, eps)
+    sl = (slice(None), slice(None), *(slice(a, b) for a, b in box or ()))
+    y, mean, var = _SyncBatchNorm.apply(x, weight, bias, comm, count, eps, sl)
     if update and running_mean is not None and running_var is not None:
         with torch.no_grad():
             if num_batches_tracked is not None:
@@ -149,14 +156,15 @@ class TileBatchNorm(TileOp):
     ``key`` (``count`` = N*H*W values per channel), in the mode of the module that holds it."""
 
     def __init__(self, key: str, count: int, momentum: float, eps: float,
-                 owner: str = "") -> None:
+                 owner: str = "", box: tuple[tuple[int, int], ...] | None = None) -> None:
         super().__init__()
         self.key, self.count, self.momentum, self.eps = key, count, momentum, eps
         self.owner = owner  # as BatchNormOp.owner
+        self.box = box  # the owned cells of an input that holds a fused group's border
 
     def emit_args(self) -> dict[str, Any]:
         return {"key": self.key, "count": self.count, "momentum": self.momentum,
-                "eps": self.eps, "owner": self.owner}
+                "eps": self.eps, "owner": self.owner, "box": self.box}
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
@@ -165,7 +173,9 @@ class TileBatchNorm(TileOp):
         return batch_norm(x, weight, bias, running_mean, running_var, num_batches_tracked,
                           batch_stats=batch_stats, update=self.training,
                           momentum=self.momentum, eps=self.eps,
-                          comm=self.group() if batch_stats else None, count=self.count)
+                          comm=self.group() if batch_stats else None, count=self.count,
+                          box=self.box)
 
     def extra_repr(self) -> str:
-        return f"statistics over tile group {self.key!r} ({self.count} values per channel)"
+        own = f"; statistics of the owned box {self.box} (fused halo border)" if self.box else ""
+        return f"statistics over tile group {self.key!r} ({self.count} values per channel){own}"

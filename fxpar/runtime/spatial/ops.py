@@ -382,14 +382,16 @@ class HaloOp(TileOp):
     maxpool or avgpool; the op itself runs with padding 0 on the exchanged window."""
 
     def __init__(self, exchange: Exchange, key: str, kind: str, cfg: dict[str, Any],
-                 replicated: bool = False, tag: int = 10) -> None:
+                 replicated: bool = False, tag: int = 10, fused: bool = False) -> None:
         super().__init__()
         self.exchange, self.key, self.kind, self.cfg = exchange, key, kind, cfg
         self.replicated, self.tag = replicated, tag
+        self.fused = fused  # inside a fused halo group: the window is local, no messages
 
     def emit_args(self) -> dict[str, Any]:
         return {"exchange": self.exchange, "key": self.key, "kind": self.kind,
-                "cfg": self.cfg, "replicated": self.replicated, "tag": self.tag}
+                "cfg": self.cfg, "replicated": self.replicated, "tag": self.tag,
+                "fused": self.fused}
 
     def split(self, params: tuple[torch.Tensor, ...]) -> haloconv.Split | None:
         """How this convolution splits into tile and halo parts (None: assemble the window);
@@ -420,6 +422,9 @@ class HaloOp(TileOp):
 
     def extra_repr(self) -> str:
         ex = self.exchange
+        if self.fused:
+            return (f"{self.kind} {self.cfg} on region {ex.own} -> window {ex.need} (fused: "
+                    f"local, no messages)")
         src = "replicated" if self.replicated else f"tile {ex.own}"
         return (f"{self.kind} {self.cfg} on {src} -> window {ex.need}; halo {widths(ex)}; "
                 f"recv from {[u for u, _ in ex.recvs]}, send to {[u for u, _ in ex.sends]}")
