@@ -24,9 +24,12 @@ and are summed over the tiles with the others. Two things need care:
   (dropout) never join a group (a border copy would draw another mask), and nor does anything
   that reads a second spatial tensor (a residual add ends the chain).
 
-``"auto"`` fuses the next op into a group when the exchange it saves (forward and backward,
-``FusionCost.latency_s`` each) outweighs the redundant border compute it adds (the nodes' FLOPs
-from torch's FlopCounter and bytes, scaled by the border's share, forward and backward);
+``"auto"`` fuses the next op into a group when, for the slowest tile, the group's one exchange
+plus its redundant border compute costs less than the group so far plus the op's own exchange
+(``FusionCost``: a round per exchange, a cost per message and per byte, forward and backward;
+the border's FLOPs from torch's FlopCounter and its bytes, forward and backward). A fused
+exchange can need *more* messages than the ops it replaces (a strided op that reads nothing
+from one neighbour unfused reads from it through the chain before it), which the model sees;
 ``"all"`` fuses every chain it legally can (tests and studies); ``"off"`` none. A border never
 reaches past the neighbouring tile.
 """
@@ -40,7 +43,7 @@ import torch
 from torch import fx
 
 from fxpar.core import meta
-from fxpar.core.geometry import Grid, Rect
+from fxpar.core.geometry import Grid, Rect, exchange
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.frontend.rules.opclass import BatchNorm, Pointwise, Window, classify
 from fxpar.passes.spatial_region import SpatialLayout
@@ -51,13 +54,17 @@ FUSABLE = ("conv", "maxpool", "avgpool")
 
 @dataclass(frozen=True)
 class FusionCost:
-    """What ``"auto"`` weighs. latency_s: one halo exchange round (messages posted, waited,
-    the neighbours' skew), saved twice per fused op (forward and backward); flops_per_s and
-    bytes_per_s: one rank's compute and memory rates, for the redundant border (3x its
-    forward: forward and backward). Defaults measured on the project's 2-core CI machine with
-    tools/bench_fusion.py (docs/bench_notes/fusion.md)."""
+    """What ``"auto"`` weighs, per tile, for the slowest tile. An exchange costs
+    ``round_s`` (posting, waiting, the neighbours' skew) when it sends or receives anything,
+    ``message_s`` per message and its bytes at ``bytes_per_s``, forward and backward; the
+    border costs its FLOPs at ``flops_per_s`` and its output bytes at ``bytes_per_s``, three
+    times (forward, and a backward of about twice the forward). Defaults: the order of what
+    tools/bench_fusion.py measured on the 2-core CI machine (AmoebaNet-D SP4 at 1024^2: rank 0
+    blocked ~0.8 ms per exchange and direction, docs/bench_notes/fusion.md) and of one core's
+    convolution rate there."""
 
-    latency_s: float = 2e-4
+    round_s: float = 5e-4
+    message_s: float = 5e-5
     flops_per_s: float = 3e10
     bytes_per_s: float = 5e9
 
@@ -197,22 +204,55 @@ def _regions(gm: fx.GraphModule, grid: Grid, chain: list[fx.Node]
 
 
 def _border_seconds(chain: list[fx.Node], regions: dict[fx.Node, tuple[Rect, ...]],
-                    grid: Grid, cost: FusionCost) -> float:
-    """The slowest tile's redundant border compute of a chain (the cells of its regions
-    beyond the tile), forward and backward."""
-    worst = 0.0
-    for u in range(grid.size):
-        total = 0.0
-        for n in chain[:-1]:
-            c = meta.find(n, NodeCost)
-            whole = Rect.whole(_extent(n)).size
-            if c is None or not whole:
-                continue
-            border = regions[n][u].size - grid.tile_rect(_extent(n), u).size
-            total += border / whole * (c.flops / cost.flops_per_s +
-                                       c.out_bytes / cost.bytes_per_s)
-        worst = max(worst, total)
-    return 3 * worst
+                    grid: Grid, u: int, cost: FusionCost) -> float:
+    """Tile ``u``'s redundant border compute of a chain (the cells of its regions beyond the
+    tile), forward and backward."""
+    total = 0.0
+    for n in chain[:-1]:
+        c = meta.find(n, NodeCost)
+        whole = Rect.whole(_extent(n)).size
+        if c is None or not whole:
+            continue
+        border = regions[n][u].size - grid.tile_rect(_extent(n), u).size
+        total += border / whole * (c.flops / cost.flops_per_s + c.out_bytes / cost.bytes_per_s)
+    return 3 * total
+
+
+def _exchange_seconds(x: fx.Node, grid: Grid, needs: list[Rect] | tuple[Rect, ...], u: int,
+                      cost: FusionCost) -> float:
+    """Tile ``u``'s cost of exchanging ``needs`` of ``x``, forward and backward (nothing when
+    every rank holds ``x`` whole: the model's input image)."""
+    if not _tiled(x):
+        return 0.0
+    ex = exchange(grid, _extent(x), list(needs), u)
+    msgs = len(ex.recvs) + len(ex.sends)
+    info = meta.get(x, TensorInfo)
+    cell = info.shape[0] * info.shape[1] * torch.empty((), dtype=info.dtype).element_size()
+    cells = ex.recv_elements() + sum(r.size for _, r in ex.sends)
+    return 2 * ((cost.round_s if msgs else 0.0) + msgs * cost.message_s +
+                cells * cell / cost.bytes_per_s)
+
+
+def _alone(gm: fx.GraphModule, grid: Grid, w: fx.Node, u: int, cost: FusionCost) -> float:
+    """Tile ``u``'s exchange cost of windowed op ``w`` on its own (unfused)."""
+    op = classify(gm, w)
+    assert isinstance(op, Window)
+    x = w.args[0]
+    assert isinstance(x, fx.Node)
+    needs = [Rect(*(op.needs(iv, i) for i, iv in enumerate(grid.tile_rect(_extent(w),
+                                                                          t).dims)))
+             for t in range(grid.size)]
+    return _exchange_seconds(x, grid, needs, u, cost)
+
+
+def _fused_seconds(gm: fx.GraphModule, grid: Grid, chain: list[fx.Node],
+                   found: tuple[tuple[Rect, ...], dict[fx.Node, tuple[Rect, ...]]], u: int,
+                   cost: FusionCost) -> float:
+    """Tile ``u``'s cost of a fused chain: its one exchange and its border compute."""
+    x = chain[0].args[0]
+    assert isinstance(x, fx.Node)
+    return _exchange_seconds(x, grid, found[0], u, cost) + \
+        _border_seconds(chain, found[1], grid, u, cost)
 
 
 def fusion_groups(gm: fx.GraphModule, grid: Grid, mode: str,
@@ -231,17 +271,18 @@ def fusion_groups(gm: fx.GraphModule, grid: Grid, mode: str,
         if not isinstance(op, Window) or op.kind not in FUSABLE:
             continue
         chain, ops, best = [n], [n], None
-        base = 0.0
+        now = [_alone(gm, grid, n, u, cost) for u in range(grid.size)]  # per tile
         while (step := _next(gm, chain[-1], nd)) is not None:
             between, w = step
             cand = [*chain, *between, w]
             found = _regions(gm, grid, cand)
             if found is None:
                 break
-            extra = _border_seconds(cand, found[1], grid, cost)
-            if mode == "auto" and extra - base > 2 * cost.latency_s:
+            fused = [_fused_seconds(gm, grid, cand, found, u, cost) for u in range(grid.size)]
+            unfused = [t + _alone(gm, grid, w, u, cost) for u, t in enumerate(now)]
+            if mode == "auto" and max(fused) >= max(unfused):  # the slowest tile sets the pace
                 break
-            chain, ops, best, base = cand, [*ops, w], found, extra
+            chain, ops, best, now = cand, [*ops, w], found, fused
         if best is not None:
             groups.append(FusedGroup(tuple(ops), tuple(chain), best[0], best[1]))
             taken.update(ops)

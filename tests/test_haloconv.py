@@ -134,3 +134,56 @@ def test_window_assembly_pads_exactly_outside_the_image():
             pieces = [(r, _cut(x, r).contiguous()) for _, r in ex.recvs]
             assert torch.equal(_rebuild(_cut(x, ex.own).contiguous(), ex, False, pieces), want)
             assert torch.equal(_rebuild(x, ex, True, []), want)
+
+
+@pytest.mark.parametrize("ext,grid_shape", [((7, 9, 10), (2, 2, 2)), ((7, 9, 10), (1, 2, 3)),
+                                            ((8, 6, 9), (3, 1, 1))])
+def test_split_convolution_matches_the_whole_volume(ext, grid_shape):
+    """The same split for a 3-D convolution (faces, edges and corners of a box grid): the
+    front / back slabs, then top / bottom, then the sides cover every halo output once."""
+    grid = Grid(*grid_shape)
+    splits = 0
+    for k, s, p, d in [(3, 1, 1, 1), (3, 2, 1, 1), (1, 1, 0, 1), (3, 1, 2, 2), (5, 1, 2, 1)]:
+        outs = tuple(out_extent(e, k, s, p, d) for e in ext)
+        if any(o < g for o, g in zip(outs, grid.parts, strict=True)):
+            continue
+        gen = torch.Generator().manual_seed(k * 100 + s * 10 + d)
+        x = torch.randn(1, 2, *ext, dtype=torch.float64, generator=gen)
+        weight = torch.randn(3, 2, k, k, k, dtype=torch.float64, generator=gen,
+                             requires_grad=True)
+        bias = torch.randn(3, dtype=torch.float64, generator=gen, requires_grad=True)
+        cfg = {"stride": (s,) * 3, "dilation": (d,) * 3, "groups": 1}
+        needs = [Rect(*(window_rows(iv, k, s, p, d) for iv in o.dims))
+                 for o in (grid.tile_rect(outs, t) for t in range(grid.size))]
+        for t in range(grid.size):
+            ex = exchange(grid, ext, needs, t)
+            split = haloconv.plan(ex, (k,) * 3, (s,) * 3, (d,) * 3, min_ratio=0)
+            if split is None:
+                continue
+            splits += 1
+
+            def cut(v: torch.Tensor, r: Rect) -> torch.Tensor:
+                return v[(slice(None), slice(None), *Rect.whole(v.shape[2:]).local(r))]
+
+            tile = cut(x, ex.own).contiguous()
+            pieces = [(r, cut(x, r).contiguous()) for _, r in ex.recvs]
+            out = haloconv.tile_part(tile, split, cfg, (weight.detach(), bias.detach()))
+            out = haloconv.add_bands(out, tile, ex, split, pieces, cfg, weight.detach())
+            xr = x.clone().requires_grad_()
+            ref = cut(F.conv3d(xr, weight, bias, s, p, d), grid.tile_rect(outs, t))
+            torch.testing.assert_close(out, ref.detach(), rtol=0, atol=1e-12)
+            g = torch.randn(ref.shape, dtype=torch.float64, generator=gen)
+            gw_ref, gb_ref, gx_ref = torch.autograd.grad(ref, (weight, bias, xr), g)
+            halo, gw_bands = haloconv.band_grads(g, tile, ex, split, pieces, cfg,
+                                                 weight.detach(), True, True)
+            gx, gw, gb = haloconv.tile_grads(g, tile, split, cfg,
+                                             (weight.detach(), bias.detach()),
+                                             (True, True, True))
+            gw = gw if gw_bands is None else gw + gw_bands
+            torch.testing.assert_close(gw, gw_ref, rtol=0, atol=1e-10)
+            torch.testing.assert_close(gb, gb_ref, rtol=0, atol=1e-10)
+            torch.testing.assert_close(gx, cut(gx_ref, ex.own), rtol=0, atol=1e-10)
+            assert halo is not None
+            for (_, r), gh in zip(ex.recvs, halo, strict=True):
+                torch.testing.assert_close(gh, cut(gx_ref, r), rtol=0, atol=1e-10)
+    assert splits > 0

@@ -110,7 +110,10 @@ def instrument_halos(modules: list[Any]) -> dict[str, float]:
     fwd = {m.tag for mod in modules for m in mod.modules() if isinstance(m, (Halo, HaloOp))}
     bwd = {t + 1 for t in fwd}
     counts = {"halo_fwd_bytes": 0.0, "halo_bwd_bytes": 0.0, "other_bytes": 0.0,
-              "halo_wait_s": 0.0, "halo_nodes": float(len(fwd)),
+              "halo_wait_s": 0.0, "halo_msgs": 0.0, "halo_nodes": float(len(fwd)),
+              "exchanges": float(sum(1 for mod in modules for m in mod.modules()
+                                     if isinstance(m, (Halo, HaloOp)) and not m.replicated
+                                     and not getattr(m, "fused", False))),
               "tag_collisions": float(len(fwd & bwd))}
     isend, irecv, waitall = Comm.isend, Comm.irecv, Comm.waitall
 
@@ -122,6 +125,7 @@ def instrument_halos(modules: list[Any]) -> dict[str, float]:
         kind = "halo_fwd_bytes" if tag in fwd else "halo_bwd_bytes" if tag in bwd else \
             "other_bytes"
         counts[kind] += t.numel() * t.element_size()
+        counts["halo_msgs"] += kind != "other_bytes"
         return mark(isend(self, t, dst, tag), tag)
 
     def received(self: Any, t: Any, src: int, tag: int = 0) -> Any:
@@ -151,6 +155,8 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--slice", default="square")
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--fusion", default="off", choices=["off", "auto", "all"],
+                   help="Plan.halo_fusion of the SP system (tools/bench_fusion.py)")
     return p
 
 
@@ -180,7 +186,7 @@ def worker(a: argparse.Namespace) -> None:
         params = list(model.parameters())
     else:
         plan = fxpar.Plan() if a.system == "fxpar1" else \
-            fxpar.Plan(spatial_parts=a.parts, slice=a.slice)
+            fxpar.Plan(spatial_parts=a.parts, slice=a.slice, halo_fusion=a.fusion)
         t0 = time.perf_counter()
         program = fxpar.compile(model, plan, torch.empty(x.shape, device="meta"), optimizer=sgd)
         rp = program.local()
@@ -211,7 +217,7 @@ def record_steps(a: argparse.Namespace, rec: dict[str, Any], step: Callable[[], 
             comm.barrier()  # timed steps start together; each ends in the loss allreduce
         if counts is not None:
             counts.update(halo_fwd_bytes=0.0, halo_bwd_bytes=0.0, other_bytes=0.0,
-                          halo_wait_s=0.0)
+                          halo_wait_s=0.0, halo_msgs=0.0)
         times = []
         for _ in range(a.steps):
             t0 = time.perf_counter()

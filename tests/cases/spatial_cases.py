@@ -249,6 +249,14 @@ def case_split_convolutions_sp_pp_amoebanet_p3_vertical():
                                       microbatches=2, schedule="1f1b")))
 
 
+def case_split_convolutions_unet3d_cube():
+    """Volumes split too: faces, edges and corners of a 2x2x1 box grid as bands."""
+    _split_everywhere(Case(lambda: models.build("unet3d", in_channels=3, num_classes=3,
+                                                base=2, depth=3),
+                           (2, 3, 16, 16, 16), fxpar.Plan(spatial_parts=4, slice="cube"),
+                           classes=3, segmentation=True))
+
+
 class RowBias(nn.Module):
     """A learned (1, C, H, 1) bias added inside the would-be region: an untiled operand that
     varies along the split dim H. fxpar must end the region before the add (it used to compile

@@ -30,7 +30,8 @@ on CPU (one thread, 3x3 convolutions, issue 7): bands 1/64 of the tile wide cost
 than the window path, 1/128 broke even, 1/256 won 2%; so a band may be at most
 ``1/MIN_RATIO`` of the tile's outputs along its thin side. Huge images (fxpar's purpose) give
 tiles of thousands of rows, where the split also saves a tile-sized transient copy per
-convolution. Every other geometry keeps the window path; :func:`plan` says which.
+convolution. Every other geometry keeps the window path; :func:`plan` says which. Volumes
+split the same way, one pair of bands (slabs) per dim.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ MIN_RATIO = 128
 
 @dataclass(frozen=True)
 class Band:
-    """Outputs ``out`` (output-local rows x cols) that read halo cells, and the window-local
-    input rectangle ``win`` they read."""
+    """Outputs ``out`` (output-local boxes: rows x cols, or depth x rows x cols) that read halo
+    cells, and the window-local input box ``win`` they read."""
 
     out: Rect
     win: Rect
@@ -62,7 +63,7 @@ class Band:
 class Split:
     """How one tile's convolution splits: the padding of the tile part, and the bands."""
 
-    padding: tuple[int, int]
+    padding: tuple[int, ...]
     bands: tuple[Band, ...]
 
 
@@ -81,68 +82,70 @@ def _ranges(n_in: int, n_own: int, before: int, got_before: bool, got_after: boo
     return n_out, lead, min(trail, n_out)
 
 
-def plan(ex: Exchange, kernel: tuple[int, int], stride: tuple[int, int],
-         dilation: tuple[int, int], min_ratio: int | None = None) -> Split | None:
+def plan(ex: Exchange, kernel: tuple[int, ...], stride: tuple[int, ...],
+         dilation: tuple[int, ...], min_ratio: int | None = None) -> Split | None:
     """The split of this exchange's convolution, or None where the window path is used (the
     geometry does not split, or a band is thicker than 1/``min_ratio`` of the tile; default
-    :data:`MIN_RATIO`, read at each call)."""
+    :data:`MIN_RATIO`, read at each call). Any number of spatial dims: along each dim a
+    leading and a trailing band; a band spans the middle of the dims before its own and all
+    of the dims after it, so the bands cover the shell of outputs that read the halo once
+    (an image's top / bottom rows, then its side columns; a volume's front / back slabs,
+    then the top / bottom ones of the rest, then the sides)."""
     min_ratio = MIN_RATIO if min_ratio is None else min_ratio
-    top, bottom, left, right = ex.halo_widths()
-    own_h, own_w = ex.own.shape
-    win_h, win_w = ex.need.shape
-    reach = (dilation[0] * (kernel[0] - 1), dilation[1] * (kernel[1] - 1))
-    if min(top, left) < 0 or bottom > top or right > left:
+    widths = ex.widths()
+    before = [b for b, _ in widths]
+    own, win = ex.own.shape, ex.need.shape
+    reach = [d * (k - 1) for d, k in zip(dilation, kernel, strict=True)]
+    if min(before) < 0 or any(a > b for b, a in widths):
         return None
-    n_out = [(n - r - 1) // s + 1 for n, r, s in zip((win_h, win_w), reach, stride, strict=True)]
+    n_out = [(n - r - 1) // s + 1 for n, r, s in zip(win, reach, stride, strict=True)]
     padded = [(n + 2 * p - r - 1) // s + 1
-              for n, p, r, s in zip((own_h, own_w), (top, left), reach, stride, strict=True)]
+              for n, p, r, s in zip(own, before, reach, stride, strict=True)]
     if padded != n_out or min(n_out) <= 0:
         return None
     local = [ex.need.local(r) for _, r in ex.recvs]
-    above = any(h.stop <= top for h, _ in local)
-    below = any(h.start >= top + own_h for h, _ in local)
-    before = any(w.stop <= left for _, w in local)
-    after = any(w.start >= left + own_w for _, w in local)
-    ho, lead_h, trail_h = _ranges(win_h, own_h, top, above, below, stride[0], reach[0])
-    wo, lead_w, trail_w = _ranges(win_w, own_w, left, before, after, stride[1], reach[1])
-    outs = [Rect((0, lead_h), (0, wo)), Rect((trail_h, ho), (0, wo)),
-            Rect((lead_h, trail_h), (0, lead_w)), Rect((lead_h, trail_h), (trail_w, wo))]
-    # thickness of each band across its long side: rows for top / bottom, columns for sides
-    thick = [(outs[0].shape[0], ho), (outs[1].shape[0], ho), (outs[2].shape[1], wo),
-             (outs[3].shape[1], wo)]
-    kept = [(o, t) for o, t in zip(outs, thick, strict=True)
-            if o.shape[0] > 0 and o.shape[1] > 0]
-    if any(band * min_ratio > whole for _, (band, whole) in kept):
+    ranges = [_ranges(win[i], own[i], before[i], any(sl[i].stop <= before[i] for sl in local),
+                      any(sl[i].start >= before[i] + own[i] for sl in local), stride[i],
+                      reach[i]) for i in range(len(own))]
+    outs = []
+    for i, (n, lead, trail) in enumerate(ranges):
+        for lo, hi in ((0, lead), (trail, n)):
+            dims = [(r[1], r[2]) if j < i else (lo, hi) if j == i else (0, r[0])
+                    for j, r in enumerate(ranges)]
+            if all(b > a for a, b in dims):
+                outs.append((Rect(*dims), hi - lo, n))
+    # a band may be at most 1/min_ratio of the outputs across its thin side
+    if any(thick * min_ratio > whole for _, thick, whole in outs):
         return None
-    bands = tuple(Band(o, Rect(_span(*o.h, stride[0], reach[0]), _span(*o.w, stride[1],
-                                                                       reach[1])))
-                  for o, _ in kept)
-    return Split((top, left), bands)
+    bands = tuple(Band(o, Rect(*(_span(*o.dims[j], stride[j], reach[j])
+                                 for j in range(len(own)))))
+                  for o, _, _ in outs)
+    return Split(tuple(before), bands)
+
+
+def _origin(ex: Exchange) -> tuple[int, ...]:
+    """Where the window starts (its local coordinates' zero)."""
+    return tuple(a for a, _ in ex.need.dims)
 
 
 def _sub(band: Band, ex: Exchange, pieces: Pieces, like: torch.Tensor) -> torch.Tensor:
     """The band's input: the halo cells it covers, zeros elsewhere (tile cells included)."""
     n, c = like.shape[:2]
     sub = like.new_zeros((n, c, *band.win.shape))
-    origin = ex.need.h[0], ex.need.w[0]
+    origin = _origin(ex)
     for rect, buf in pieces:
-        part = _window_rect(rect, origin).intersect(band.win)
+        held = rect.moved(origin)
+        part = held.intersect(band.win)
         if part is not None:
-            hs, ws = band.win.local(part)
-            ph, pw = _window_rect(rect, origin).local(part)
-            sub[:, :, hs, ws] = buf[:, :, ph, pw]
+            sub[(slice(None), slice(None), *band.win.local(part))] = \
+                buf[(slice(None), slice(None), *held.local(part))]
     return sub
 
 
-def _window_rect(rect: Rect, origin: tuple[int, int]) -> Rect:
-    """A global rectangle in window-local coordinates."""
-    return Rect((rect.h[0] - origin[0], rect.h[1] - origin[0]),
-                (rect.w[0] - origin[1], rect.w[1] - origin[1]))
-
-
 def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: dict[str, Any],
-          padding: tuple[int, int]) -> torch.Tensor:
-    return nn.functional.conv2d(x, w, b, cfg["stride"], padding, cfg["dilation"], cfg["groups"])
+          padding: tuple[int, ...] | int) -> torch.Tensor:
+    conv = nn.functional.conv3d if x.dim() == 5 else nn.functional.conv2d
+    return conv(x, w, b, cfg["stride"], padding, cfg["dilation"], cfg["groups"])
 
 
 def tile_part(x: torch.Tensor, split: Split, cfg: dict[str, Any],
@@ -151,12 +154,15 @@ def tile_part(x: torch.Tensor, split: Split, cfg: dict[str, Any],
     return _conv(x, params[0], params[1] if len(params) > 1 else None, cfg, split.padding)
 
 
+def _out_slices(out: torch.Tensor, band: Band) -> tuple[slice, ...]:
+    return (slice(None), slice(None), *Rect.whole(tuple(out.shape[2:])).local(band.out))
+
+
 def add_bands(out: torch.Tensor, x: torch.Tensor, ex: Exchange, split: Split, pieces: Pieces,
               cfg: dict[str, Any], weight: torch.Tensor) -> torch.Tensor:
     """``out`` plus the halo part, band by band (in place)."""
     for band in split.bands:
-        hs, ws = Rect((0, out.shape[2]), (0, out.shape[3])).local(band.out)
-        out[:, :, hs, ws] += _conv(_sub(band, ex, pieces, x), weight, None, cfg, (0, 0))
+        out[_out_slices(out, band)] += _conv(_sub(band, ex, pieces, x), weight, None, cfg, 0)
     return out
 
 
@@ -166,26 +172,24 @@ def band_grads(g: torch.Tensor, x: torch.Tensor, ex: Exchange, split: Split, pie
     """Backward of the halo part: each received piece's gradient (None when the input needs
     none) -- to be sent back to its owner -- and the bands' share of the weight gradient."""
     stride, dil = list(cfg["stride"]), list(cfg["dilation"])
+    zeros = [0] * (g.dim() - 2)
     halo = [torch.zeros_like(buf) for _, buf in pieces] if want_x else None
     gw: torch.Tensor | None = None
-    origin = ex.need.h[0], ex.need.w[0]
-    out_rect = Rect((0, g.shape[2]), (0, g.shape[3]))
+    origin = _origin(ex)
     for band in split.bands:
-        hs, ws = out_rect.local(band.out)
         gs, gws, _ = torch.ops.aten.convolution_backward(
-            g[:, :, hs, ws], _sub(band, ex, pieces, x), weight, None, stride, [0, 0], dil,
-            False, [0, 0], cfg["groups"], [want_x, want_w, False])
+            g[_out_slices(g, band)], _sub(band, ex, pieces, x), weight, None, stride, zeros,
+            dil, False, zeros, cfg["groups"], [want_x, want_w, False])
         if want_w:
             gw = gws if gw is None else gw + gws
         if halo is None:
             continue
         for (rect, _), acc in zip(pieces, halo, strict=True):
-            local = _window_rect(rect, origin)
-            part = local.intersect(band.win)
+            held = rect.moved(origin)
+            part = held.intersect(band.win)
             if part is not None:
-                a_h, a_w = local.local(part)
-                s_h, s_w = band.win.local(part)
-                acc[:, :, a_h, a_w] += gs[:, :, s_h, s_w]
+                acc[(slice(None), slice(None), *held.local(part))] += \
+                    gs[(slice(None), slice(None), *band.win.local(part))]
     return halo, gw
 
 
@@ -198,5 +202,6 @@ def tile_grads(g: torch.Tensor, x: torch.Tensor, split: Split, cfg: dict[str, An
     bias = [weight.shape[0]] if len(params) > 1 else None
     gx, gw, gb = torch.ops.aten.convolution_backward(
         g, x, weight, bias, list(cfg["stride"]), list(split.padding), list(cfg["dilation"]),
-        False, [0, 0], cfg["groups"], [want[0], want[1], want[2] and bias is not None])
+        False, [0] * (g.dim() - 2), cfg["groups"], [want[0], want[1],
+                                                     want[2] and bias is not None])
     return gx, gw, gb

@@ -396,10 +396,10 @@ class HaloOp(TileOp):
     def split(self, params: tuple[torch.Tensor, ...]) -> haloconv.Split | None:
         """How this convolution splits into tile and halo parts (None: assemble the window);
         worked out once, from the weight's kernel size."""
-        if self.kind != "conv" or self.replicated or FORCE_WINDOW or self.exchange.own.ndim != 2:
-            return None  # volumes assemble the window (haloconv splits images only)
+        if self.kind != "conv" or self.replicated or FORCE_WINDOW:
+            return None
         if not hasattr(self, "_split"):
-            kernel = (int(params[0].shape[2]), int(params[0].shape[3]))
+            kernel = tuple(int(k) for k in params[0].shape[2:])
             self._split = haloconv.plan(self.exchange, kernel, tuple(self.cfg["stride"]),
                                         tuple(self.cfg["dilation"]))
         return self._split
