@@ -158,6 +158,10 @@ CATALOGUE: list[Entry] = [
           r"Plan\.precision must be one of \('fp32', 'bf16', 'fp16'\)",
           'Use precision="fp32", "bf16" or "fp16" (fxpar-run: --precision bf16).',
           lambda: Plan(precision="half")),
+    Entry("plan-halo-fusion", "plan", "an unknown halo_fusion mode", PlanError,
+          r"Plan\.halo_fusion must be one of \('off', 'auto', 'all'\)",
+          'Use halo_fusion="off", "auto" (fuse where the cost model says it pays) or "all" '
+          "(fxpar-run: --halo-fusion auto).", lambda: Plan(halo_fusion=True)),
     Entry("plan-memory-budget", "plan", "memory_per_rank is not a positive number of bytes",
           PlanError, r"Plan\.memory_per_rank must be a number of bytes",
           "Give bytes as an integer, e.g. 4 * 2**30 for 4 GiB.",

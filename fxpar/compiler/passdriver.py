@@ -103,6 +103,8 @@ def halo_note(gm: fx.GraphModule, n: fx.Node) -> str:
             ex = mod.exchange
             if mod.replicated:
                 return f"scatter: slice {ex.need} of the whole tensor"
+            if getattr(mod, "fused", False):
+                return f"fused halo group: region {ex.own} -> window {ex.need}, local"
             recvs, sends = sorted(u for u, _ in ex.recvs), sorted(u for u, _ in ex.sends)
             widths = f"halo {halo_widths(ex)}"
             if not recvs and not sends:
@@ -111,7 +113,8 @@ def halo_note(gm: fx.GraphModule, n: fx.Node) -> str:
         if isinstance(mod, Join):
             return f"join: gather {len(mod.rects)} tiles"
         if isinstance(mod, TileBatchNorm):
-            return "BatchNorm statistics: allgather over tiles"
+            own = f" (owned box {mod.box} of a fused group's region)" if mod.box else ""
+            return f"BatchNorm statistics: allgather over tiles{own}"
         if isinstance(mod, TileGroupNorm):
             return "GroupNorm statistics: allgather over tiles"
         if isinstance(mod, TileReduce):

@@ -190,9 +190,9 @@ def fusion_lines(program: Program, sides: str) -> list[str]:
         if t != 0:
             continue
         ops = sum(len(g.ops) for g in groups)
-        lines.append(f"halo fusion ({program.plan.halo_fusion}), stage {stage}: {len(groups)} "
-                     f"groups share one exchange for {ops} windowed ops ({ops - len(groups)} "
-                     f"exchanges fewer); tile 0's widths ({sides}):")
+        lines.append(f"halo fusion ({program.plan.halo_fusion}), stage {stage}: "
+                     f"{len(groups)} group(s) share one exchange each for {ops} windowed ops "
+                     f"({ops - len(groups)} exchanges fewer); tile 0's widths ({sides}):")
         lines += [f"  {' + '.join(g.ops)}: {' '.join(map(str, g.widths))}"
                   for g in groups[:FUSION_SHOWN]]
         if len(groups) > FUSION_SHOWN:
