@@ -1,6 +1,6 @@
 """Saved programs under mpiexec (run by tests/test_programs.py): a program written with
 program.save and loaded back by each rank trains bit for bit like the in-memory program (which
-the transparency suites compare with one process), in spatial + pipeline and GEMS layouts."""
+the transparency suites compare with one process), in spatial + pipeline, fused-halo and GEMS layouts."""
 
 import copy
 import tempfile
@@ -64,6 +64,11 @@ def case_saved_spatial_pipeline_program_trains_like_memory():
     plan = fxpar.Plan(stages=2, spatial_parts=2, spatial_stages=1, microbatches=2,
                       schedule="1f1b")
     _check_saved_equals_memory(plan, (4, 3, 32, 32))
+
+
+def case_saved_fused_halo_program_trains_like_memory():
+    """Halo fusion's local windows and BatchNorm boxes survive the generated code."""
+    _check_saved_equals_memory(fxpar.Plan(spatial_parts=4, halo_fusion="all"), (2, 3, 32, 32))
 
 
 def case_saved_gems_program_trains_like_memory():
