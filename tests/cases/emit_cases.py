@@ -1,6 +1,7 @@
 """Saved programs under mpiexec (run by tests/test_programs.py): a program written with
 program.save and loaded back by each rank trains bit for bit like the in-memory program (which
-the transparency suites compare with one process), in spatial + pipeline, fused-halo and GEMS layouts."""
+the transparency suites compare with one process), in spatial + pipeline, fused-halo and GEMS
+layouts."""
 
 import copy
 import tempfile
