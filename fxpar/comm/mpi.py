@@ -237,6 +237,15 @@ class Comm:
     def rank(self) -> int:
         return int(self._c.Get_rank())
 
+    def node_size(self) -> int:
+        """How many ranks of this communicator share this rank's node (MPI's shared-memory
+        split; a collective)."""
+        local = self._c.Split_type(_mpi().COMM_TYPE_SHARED)
+        try:
+            return int(local.Get_size())
+        finally:
+            local.Free()
+
     @property
     def size(self) -> int:
         return int(self._c.Get_size())

@@ -23,6 +23,7 @@ from fxpar.passes.spatial_region import SpatialLayout
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
 
 if TYPE_CHECKING:
+    from fxpar.compiler.costmodel import Timing
     from fxpar.io.program import Program
 
 _MATCH = {"RECV_F": "SEND_F", "RECV_B": "SEND_B"}
@@ -67,15 +68,19 @@ next."""
 
 def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
              b_cost: float = 2.0, stage_cost: Mapping[int, float] | None = None,
-             together: Together | None = None) -> SimResult:
+             together: Together | None = None, timing: Timing | None = None) -> SimResult:
     """Execute ``schedule``; raise ScheduleError on deadlock.
 
     stage_cost: F cost per stage (B costs twice as much), instead of ``f_cost``/``b_cost``.
     together: tile groups (``RankMap.tile_groups``): their F and B start at once on every
-    tile, when all have reached it."""
+    tile, when all have reached it. timing: seconds from a cost model
+    (fxpar.compiler.costmodel.timing) instead of ticks: F, B, ALLREDUCE (one collective over
+    ``timing.allreduce``'s ranks) and STEP take ``timing.seconds``, a message arrives
+    ``timing.transfer`` after its send."""
     together = together or {}
     senders = _senders(links)
     sent: dict[Action, float] = {}  # (kind, stage, mb, copy) of a send -> time it ran
+    source: dict[Action, int] = {}  # ... and the rank that sent it last
     clock = {r: 0.0 for r in schedule}
     busy = {r: 0.0 for r in schedule}
     spans: dict[int, list[Span]] = {r: [] for r in schedule}
@@ -93,22 +98,30 @@ def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
                     keys = [Action(_MATCH[a.kind], p, a.mb, a.copy) for p in peers]
                     if not all(k in sent for k in keys):
                         break
-                    clock[r] = max([clock[r], *(sent[k] for k in keys)])
+                    clock[r] = max([clock[r], *(sent[k] + (timing.transfer(k, source[k], r)
+                                                           if timing else 0.0)
+                                                for k in keys)])
                 elif a.kind in ("SEND_F", "SEND_B"):
-                    sent[a] = clock[r]
-                elif a.kind in ("F", "B"):
-                    if stage_cost is not None:
-                        cost = stage_cost[a.stage] * (1.0 if a.kind == "F" else 2.0)
+                    sent[a] = max(sent.get(a, 0.0), clock[r])
+                    source[a] = r
+                elif a.kind in ("F", "B") or (timing is not None and
+                                              a.kind in ("ALLREDUCE", "STEP")):
+                    if a.kind in ("F", "B"):
+                        tiles = together.get((r, a.copy, a.stage), (r,))
+                    elif a.kind == "ALLREDUCE":
+                        assert timing is not None
+                        tiles = timing.allreduce.get(r, (r,))
                     else:
-                        cost = f_cost if a.kind == "F" else b_cost
-                    tiles = together.get((r, a.copy, a.stage), (r,))
+                        tiles = (r,)
                     if any(schedule[m][pc[m]:pc[m] + 1] != [a] for m in tiles):
                         break  # a collective: every tile must have reached it
                     start = max(clock[m] for m in tiles)
+                    costs = {m: _cost(a, m, timing, stage_cost, f_cost, b_cost) for m in tiles}
+                    end = start + max(costs.values())  # a collective ends for all at once
                     for m in tiles:
-                        clock[m] = start + cost
-                        busy[m] += cost
-                        spans[m].append(Span(a, start, clock[m]))
+                        clock[m] = end
+                        busy[m] += costs[m]
+                        spans[m].append(Span(a, start, end))
                         pc[m] += 1
                     progress = True
                     continue
@@ -119,6 +132,15 @@ def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
     if stuck:
         raise ScheduleError(f"deadlock: ranks wait forever at {stuck}")
     return SimResult(max(clock.values()), busy, spans)
+
+
+def _cost(a: Action, rank: int, timing: Timing | None, stage_cost: Mapping[int, float] | None,
+          f_cost: float, b_cost: float) -> float:
+    if timing is not None:
+        return timing.seconds(rank, a)
+    if stage_cost is not None:
+        return stage_cost[a.stage] * (1.0 if a.kind == "F" else 2.0)
+    return f_cost if a.kind == "F" else b_cost
 
 
 def stage_costs(program: Program) -> dict[int, float]:

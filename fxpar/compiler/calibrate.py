@@ -1,0 +1,152 @@
+"""Measure a machine profile (``fxpar-calibrate``): a short calibration run of a few op kinds and
+sizes, and of the project's own ``Comm`` between ranks.
+
+Compute (each rank's view, one rank measures): 3x3 convolutions forward at three shapes (FLOPs
+from torch's FlopCounterMode), a linear layer, a ReLU over 16 M values (bytes read and written),
+and a ReLU over one value (the fixed cost per op), each timed with torch.utils.benchmark.
+Communication (with 2 ranks or more): a ping-pong between ranks 0 and 1 at sizes from 8 bytes to
+4 MiB (one-way time = half the round trip) and an allreduce over every rank at the same sizes;
+``alpha`` is the smallest message's time and ``beta`` the slope of the rest above it (the
+allreduce per ring step: time / (2 (g - 1)) against bytes / g). Ranks that share a node are
+told by MPI (``COMM_TYPE_SHARED``); with all ranks on one node, the inter-node links are not
+measured and copy the intra-node ones (``measured["inter"]`` says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from fxpar.comm.mpi import Comm
+from fxpar.compiler.profile import Link, Profile
+
+CONV_SHAPES = ((1, 64, 64, 128), (1, 128, 128, 64), (1, 32, 32, 256))
+"""(batch, in channels, out channels, side) of the timed 3x3 convolutions."""
+SIZES = (8, 1024, 65536, 1 << 20, 4 << 20)
+"""Message bytes of the ping-pong and allreduce."""
+
+
+def _timed(fn: Callable[[], Any], min_run_time: float) -> float:
+    """Median seconds of one call (torch.utils.benchmark's blocked autorange)."""
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # CUDA_HOME noise
+    from torch.utils import benchmark
+
+    fn()
+    return benchmark.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(
+        min_run_time=min_run_time).median
+
+
+def _flops(fn: Callable[[], Any]) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def compute(min_run_time: float = 0.2) -> dict[str, Any]:
+    """This process's convolution and matrix-product FLOP/s, memory bytes/s and op cost."""
+    torch.manual_seed(0)
+    convs = []
+    for n, cin, cout, side in CONV_SHAPES:
+        x = torch.randn(n, cin, side, side)
+        w = torch.randn(cout, cin, 3, 3)
+
+        def conv(x: torch.Tensor = x, w: torch.Tensor = w) -> torch.Tensor:
+            return F.conv2d(x, w, padding=1)
+
+        t = _timed(conv, min_run_time)
+        convs.append({"shape": [n, cin, cout, side], "seconds": t, "flops": _flops(conv)})
+    a, w = torch.randn(256, 1024), torch.randn(1024, 1024)
+    t_mm = _timed(lambda: F.linear(a, w), min_run_time)
+    mm_flops = _flops(lambda: F.linear(a, w))
+    big = torch.randn(16 << 20)
+    t_mem = _timed(lambda: torch.relu(big), min_run_time)
+    one = torch.randn(1)
+    t_op = _timed(lambda: torch.relu(one), min_run_time)
+    return {
+        "conv_flops": statistics.median(c["flops"] / c["seconds"] for c in convs),
+        "matmul_flops": mm_flops / t_mm,
+        "mem_bytes": 2 * big.numel() * big.element_size() / t_mem,
+        "op_s": t_op,
+        "convs": convs, "matmul_s": t_mm, "relu_16M_s": t_mem,
+    }
+
+
+def fit(points: list[tuple[float, float]]) -> Link:
+    """``seconds = alpha + beta * bytes`` through ``(bytes, seconds)`` points: alpha is the
+    smallest message's time (a free intercept is lost in the large messages' noise), beta the
+    least-squares slope of the rest above it (>= 0)."""
+    points = sorted(points)
+    alpha = max(points[0][1], 0.0)
+    num = sum(b * (t - alpha) for b, t in points[1:])
+    den = sum(b * b for b, _ in points[1:])
+    return Link(alpha, max(num / den, 0.0) if den else 0.0)
+
+
+def _pingpong(comm: Comm, nbytes: int, repeats: int) -> float:
+    buf = torch.zeros(max(nbytes // 4, 1))
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        if comm.rank == 0:
+            comm.send(buf, 1)
+            comm.recv(buf, 1)
+        elif comm.rank == 1:
+            comm.recv(buf, 0)
+            comm.send(buf, 0)
+    return (time.perf_counter() - t0) / repeats / 2
+
+
+def _allreduce(comm: Comm, nbytes: int, repeats: int) -> float:
+    buf = torch.zeros(max(nbytes // 4, 1))
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        comm.allreduce(buf)
+    return (time.perf_counter() - t0) / repeats
+
+
+def communication(comm: Comm, repeats: int = 20) -> dict[str, Any]:
+    """Ping-pong (ranks 0 and 1) and allreduce (all ranks) timings and their fitted links;
+    every rank takes part, rank 0's figures count."""
+    g = comm.size
+    p2p = [(float(b), _pingpong(comm, b, repeats)) for b in SIZES]
+    ar = [(float(b), _allreduce(comm, b, repeats)) for b in SIZES]
+    per_step = [(b / g, t / (2 * (g - 1))) for b, t in ar]
+    return {"p2p": fit(p2p), "allreduce": fit(per_step), "p2p_points": p2p,
+            "allreduce_points": ar}
+
+
+def calibrate(comm: Comm | None, name: str, quick: bool = False) -> Profile:
+    """A profile of this machine: compute on rank 0 (every rank in step), communication over
+    ``comm`` when it has 2 ranks or more."""
+    min_run = 0.05 if quick else 0.2
+    rank = comm.rank if comm is not None else 0
+    measured: dict[str, Any] = {}
+    comp = compute(min_run) if rank == 0 else {}
+    measured["compute"] = {k: v for k, v in comp.items()
+                           if k in ("convs", "matmul_s", "relu_16M_s")}
+    p2p = allreduce = Link(0.0, 0.0)
+    per_node = 1
+    if comm is not None and comm.size > 1:
+        got = communication(comm, 5 if quick else 20)
+        p2p, allreduce = got["p2p"], got["allreduce"]
+        per_node = comm.node_size()
+        measured.update(p2p_points=got["p2p_points"], allreduce_points=got["allreduce_points"])
+    else:
+        measured["communication"] = "not measured (one rank): links are 0"
+    if comm is not None and per_node >= comm.size:
+        measured["inter"] = "all ranks on one node: inter-node links copy the intra-node ones"
+    if comm is not None:
+        comp = comm.bcast_object(comp)
+    return Profile(
+        name=name, device="cpu", conv_flops=comp["conv_flops"],
+        matmul_flops=comp["matmul_flops"], mem_bytes=comp["mem_bytes"], op_s=comp["op_s"],
+        p2p_intra=p2p, p2p_inter=p2p, allreduce_intra=allreduce, allreduce_inter=allreduce,
+        ranks_per_node=per_node, cores_per_rank=torch.get_num_threads(), measured=measured)

@@ -1,0 +1,133 @@
+"""Machine profiles: what the cost model (fxpar.compiler.costmodel) knows about a machine.
+
+A profile is a JSON file: compute rates of one rank (FLOP/s for convolutions and matrix
+products, bytes/s for memory-bound ops, a fixed cost per op), the cost of a message as
+``alpha + beta * bytes`` inside a node and between nodes, the same for an allreduce step, and
+how many ranks share a node. ``fxpar-calibrate`` measures one on the machine it runs on
+(fxpar.compiler.calibrate); the project ships ``h100-nvlink-ib``, built from published figures
+(its ``sources`` say which), for studies of machines not at hand::
+
+    {"name": "h100-nvlink-ib", "device": "cuda", "ranks_per_node": 8, "cores_per_rank": 1,
+     "conv_flops": 4.9e14, "matmul_flops": 4.9e14, "mem_bytes": 2.7e12, "op_s": 5e-6,
+     "p2p_intra": [2.5e-6, 2.2e-12], "p2p_inter": [5e-6, 2.0e-11],
+     "allreduce_intra": [1e-5, 2.2e-12], "allreduce_inter": [2e-5, 2.0e-11],
+     "measured": {...}, "sources": [...]}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SHIPPED = Path(__file__).resolve().parent / "profiles"
+"""Profiles that come with fxpar (``Profile.load("h100-nvlink-ib")``)."""
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """Cost of moving ``b`` bytes: ``alpha + beta * b`` seconds."""
+
+    alpha: float
+    beta: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha + self.beta * nbytes
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One machine, as the cost model sees it (module doc)."""
+
+    name: str
+    device: str
+    conv_flops: float
+    """FLOP/s one rank reaches in convolutions (multiply-add = 2 FLOPs)."""
+    matmul_flops: float
+    """FLOP/s in matrix products (linear layers)."""
+    mem_bytes: float
+    """Bytes/s one rank reads plus writes in memory-bound ops (pointwise, norms, pools)."""
+    op_s: float
+    """Fixed seconds per op (dispatch, kernel launch)."""
+    p2p_intra: Link
+    p2p_inter: Link
+    allreduce_intra: Link
+    """One step of a ring allreduce between ranks of one node (alpha per step, beta per byte
+    sent in it)."""
+    allreduce_inter: Link
+    ranks_per_node: int = 1
+    cores_per_rank: int = 1
+    measured: dict[str, Any] = field(default_factory=dict)
+    """What the calibration saw (raw timings), for the record."""
+    sources: tuple[str, ...] = ()
+    """Where published figures came from (shipped profiles)."""
+    notes: str = ""
+    """What was assumed rather than measured or published."""
+
+    def link(self, a: int, b: int, collective: bool = False) -> Link:
+        """The link between ranks ``a`` and ``b`` (same node: ``rank // ranks_per_node``)."""
+        same = a // self.ranks_per_node == b // self.ranks_per_node
+        if collective:
+            return self.allreduce_intra if same else self.allreduce_inter
+        return self.p2p_intra if same else self.p2p_inter
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for k in ("p2p_intra", "p2p_inter", "allreduce_intra", "allreduce_inter"):
+            out[k] = [out[k]["alpha"], out[k]["beta"]]
+        out["sources"] = list(self.sources)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str = "profile") -> Profile:
+        links = ("p2p_intra", "p2p_inter", "allreduce_intra", "allreduce_inter")
+        rates = ("conv_flops", "matmul_flops", "mem_bytes", "op_s")
+        missing = [k for k in ("name", "device", *rates, *links) if k not in data]
+        if missing:
+            raise ProfileError(f"{where}: missing {', '.join(missing)} (fxpar-calibrate writes "
+                               f"a complete profile)")
+        kw = dict(data)
+        for k in links:
+            v = kw[k]
+            if not (isinstance(v, (list, tuple)) and len(v) == 2 and all(
+                    isinstance(u, (int, float)) and u >= 0 for u in v)):
+                raise ProfileError(f"{where}: {k} must be [alpha seconds, beta seconds per "
+                                   f"byte], both >= 0, got {v!r}")
+            kw[k] = Link(float(v[0]), float(v[1]))
+        for k in rates:
+            v = kw[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or \
+                    (v == 0 and k != "op_s"):
+                raise ProfileError(f"{where}: {k} must be a positive number, got {v!r}")
+        kw["sources"] = tuple(kw.get("sources", ()))
+        known = set(cls.__dataclass_fields__)
+        extra = sorted(set(kw) - known)
+        if extra:
+            raise ProfileError(f"{where}: unknown fields {extra}")
+        return cls(**kw)
+
+    def save(self, path: Path | str) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> Profile:
+        """A profile file, or a shipped profile by name (``h100-nvlink-ib``)."""
+        path = Path(name_or_path)
+        if not path.exists():
+            shipped = SHIPPED / f"{name_or_path}.json"
+            if not shipped.exists():
+                names = sorted(p.stem for p in SHIPPED.glob("*.json"))
+                raise ProfileError(f"no profile file {str(name_or_path)!r} and no shipped "
+                                   f"profile of that name (shipped: {', '.join(names)}); "
+                                   f"fxpar-calibrate --out FILE measures this machine")
+            path = shipped
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"{path}: not JSON ({e})") from None
+        return cls.from_json(data, str(path))

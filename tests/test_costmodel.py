@@ -1,0 +1,158 @@
+"""The cost model (issue 20): machine profiles, the calibration's fits (against a fake
+communicator with known costs), the timed simulator against hand-computed schedules, and the
+seconds it gives a compiled program's halo exchanges. No MPI."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fxpar
+from fxpar.compiler.calibrate import communication, compute, fit
+from fxpar.compiler.costmodel import Timing, halo_seconds, stage_seconds, timing
+from fxpar.compiler.driver import links_of
+from fxpar.compiler.profile import Link, Profile, ProfileError
+from fxpar.compiler.simulate import simulate
+from fxpar.core.schedule import pipeline
+from fxpar.passes.spatial_region import image_grid
+
+
+def _profile(**kw) -> Profile:
+    base = dict(name="test", device="cpu", conv_flops=1e10, matmul_flops=1e10, mem_bytes=1e9,
+                op_s=0.0, p2p_intra=Link(1e-3, 1e-9), p2p_inter=Link(1e-2, 1e-8),
+                allreduce_intra=Link(1e-4, 1e-9), allreduce_inter=Link(1e-3, 1e-8),
+                ranks_per_node=2)
+    return Profile(**{**base, **kw})
+
+
+def test_profile_round_trips_and_the_shipped_one_loads(tmp_path):
+    p = _profile()
+    p.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == p
+    h100 = Profile.load("h100-nvlink-ib")
+    assert h100.ranks_per_node == 8 and h100.sources and h100.notes
+    assert h100.link(0, 7) == h100.p2p_intra and h100.link(7, 8) == h100.p2p_inter
+    assert p.link(0, 3, collective=True) == p.allreduce_inter
+
+
+def test_bad_profiles_say_what_to_change(tmp_path):
+    data = _profile().to_json()
+    del data["mem_bytes"]
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=r"a.json: missing mem_bytes"):
+        Profile.load(tmp_path / "a.json")
+    data = {**_profile().to_json(), "p2p_intra": [1e-6]}
+    (tmp_path / "b.json").write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match=r"p2p_intra must be \[alpha seconds, beta seconds "):
+        Profile.load(tmp_path / "b.json")
+    with pytest.raises(ProfileError, match=r"shipped: h100-nvlink-ib"):
+        Profile.load("no-such-machine")
+
+
+def test_fit_recovers_alpha_and_beta():
+    link = fit([(b, 2e-5 + 3e-10 * b) for b in (8, 1024, 65536, 1 << 20, 4 << 20)])
+    assert link.alpha == pytest.approx(2e-5, rel=1e-3)
+    assert link.beta == pytest.approx(3e-10, rel=1e-6)
+
+
+class _SlowComm:
+    """Rank 0 of 2: send / recv cost ``alpha + beta * bytes``, an allreduce 2 (g - 1) ring
+    steps of ``alpha_ar + beta_ar * bytes / g`` (time.sleep)."""
+
+    rank, size = 0, 2
+
+    def __init__(self, p2p: Link, ar: Link) -> None:
+        self.p2p, self.ar = p2p, ar
+
+    def barrier(self) -> None:
+        pass
+
+    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+        time.sleep(self.p2p.seconds(t.numel() * 4))
+
+    recv = send
+
+    def allreduce(self, t: torch.Tensor) -> torch.Tensor:
+        time.sleep(2 * (self.size - 1) * self.ar.seconds(t.numel() * 4 / self.size))
+        return t
+
+
+def test_calibration_fits_known_link_costs():
+    p2p, ar = Link(2e-3, 1e-9), Link(3e-3, 2e-9)
+    got = communication(_SlowComm(p2p, ar), repeats=2)  # type: ignore[arg-type]
+    assert got["p2p"].alpha == pytest.approx(p2p.alpha, rel=0.3)
+    assert got["p2p"].beta == pytest.approx(p2p.beta, rel=0.3)
+    assert got["allreduce"].alpha == pytest.approx(ar.alpha, rel=0.3)
+    assert got["allreduce"].beta == pytest.approx(ar.beta, rel=0.3)
+
+
+def test_compute_calibration_gives_positive_rates():
+    rates = compute(min_run_time=0.01)
+    assert rates["conv_flops"] > 1e8 and rates["matmul_flops"] > 1e8
+    assert rates["mem_bytes"] > 1e7 and rates["op_s"] > 0
+    assert len(rates["convs"]) == 3
+
+
+def _uniform(f: float, latency: float, step: float) -> Timing:
+    def seconds(rank: int, a) -> float:
+        return {"F": f, "B": 2 * f, "STEP": step}.get(a.kind, 0.0)
+
+    return Timing(seconds, lambda send, src, dst: latency, {}, {})
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (3, 4), (4, 8)])
+def test_timed_gpipe_matches_the_hand_formula(p, m):
+    """Uniform stages (F = f, B = 2f), messages taking L, a STEP of s: the first micro-batch
+    crosses p stages and p - 1 links forward, the last stage runs m F and m B, the gradient
+    crosses back: (m + p - 1)(f + 2f) + 2 (p - 1) L + s."""
+    f, latency, step = 0.5, 0.125, 0.25
+    sched = pipeline(p, m, "gpipe")
+    links = {s: {s + 1} for s in range(p - 1)} | {p - 1: set()}
+    sim = simulate(sched, links, timing=_uniform(f, latency, step))
+    assert sim.makespan == pytest.approx((m + p - 1) * 3 * f + 2 * (p - 1) * latency + step)
+
+
+def test_timed_1f1b_without_latency_matches_gpipe():
+    sched = pipeline(4, 8, "1f1b")
+    links = {s: {s + 1} for s in range(3)} | {3: set()}
+    sim = simulate(sched, links, timing=_uniform(1.0, 0.0, 0.0))
+    assert sim.makespan == pytest.approx((8 + 4 - 1) * 3.0)
+    assert sim.bubble == pytest.approx(3 / 11)
+
+
+def test_halo_seconds_of_one_convolution_on_two_tiles():
+    """A 3x3 convolution on 2 vertical tiles of a 1x4x16x16 input: each tile sends one column
+    and receives one (16 cells x 4 channels x 4 bytes): 2 messages, in parallel."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    prof = _profile()
+    program = fxpar.compile(model, fxpar.Plan(spatial_parts=2, slice="vertical"),
+                            torch.empty(1, 3, 16, 16, device="meta"))
+    gm = program.traced
+    convs = [n for n in gm.graph.nodes if "conv" in str(n.target)]
+    grid = image_grid(gm)
+    assert halo_seconds(gm, convs[0], grid, 0, prof) == 0.0  # reads the input image
+    want = 2 * prof.p2p_intra.alpha + 16 * 4 * 4 * prof.p2p_intra.beta
+    assert halo_seconds(gm, convs[1], grid, 0, prof) == pytest.approx(want)
+    sp = stage_seconds(program, prof)[0]
+    assert sp.comm_f == pytest.approx(want) and sp.comm_b == pytest.approx(want)
+
+
+def test_timing_of_a_pipeline_program_adds_link_costs():
+    """2 stages: a faster link shortens the simulated step by the messages' share."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    program = fxpar.compile(model, fxpar.Plan(stages=2, microbatches=2),
+                            torch.empty(4, 3, 32, 32, device="meta"))
+    slow = simulate(program.schedule, links_of(program.graph),
+                    timing=timing(program, _profile()))
+    fast = simulate(program.schedule, links_of(program.graph),
+                    timing=timing(program, _profile(p2p_intra=Link(0.0, 0.0))))
+    assert slow.makespan > fast.makespan
+    # each micro-batch's activation crosses once forward and its gradient once back, 2 of
+    # each on the critical path at least (first forward, last backward)
+    assert slow.makespan - fast.makespan >= 2 * 1e-3
