@@ -69,6 +69,7 @@ from fxpar.comm import world as fxcomm
 from fxpar.comm.device import DeviceError
 from fxpar.compiler.draw import DotMissing, ExtraMissing
 from fxpar.compiler.passdriver import PassError
+from fxpar.compiler.profile import Profile, ProfileError
 from fxpar.io import checkpoint as ckpt
 from fxpar.io.checkpoint import CheckpointError
 from fxpar.io.data import DataError, FolderBatches, ImageFolder
@@ -533,6 +534,21 @@ CATALOGUE: list[Entry] = [
           "Add --spatial-parts P (P > 1).",
           lambda: run_inspect(["torchvision:resnet18", "--image-size", "32", "--batch-size", "2",
                             "--after", "halo"])),
+    Entry("cli-inspect-profile-run", "cli",
+          "fxpar-inspect --from-metrics --profile without the run's model", UsageError,
+          r"--from-metrics with --profile draws the prediction next to the run",
+          "Give the model, --image-size and plan options the run used.",
+          lambda: run_inspect(["--from-metrics", "run.json", "--timeline", "t.png",
+                               "--profile", "h100-nvlink-ib"])),
+    Entry("profile-missing", "cli", "a machine profile that is neither a file nor shipped",
+          ProfileError, r"no profile file .* and no shipped profile of that name",
+          "Give a file fxpar-calibrate --out wrote, or a shipped name the message lists.",
+          lambda: Profile.load("my-cluster")),
+    Entry("profile-field", "cli", "a profile file with a missing or malformed field",
+          ProfileError, r"p2p_intra must be \[alpha seconds, beta seconds per byte\]",
+          "Fix the field the message names (fxpar-calibrate writes complete profiles).",
+          lambda: Profile.from_json({**Profile.load("h100-nvlink-ib").to_json(),
+                                     "p2p_intra": [1e-6]}, "cluster.json")),
     Entry("cli-metrics-file", "cli", "--from-metrics names a file that cannot be read",
           MetricsError, r"cannot read metrics file",
           "Point to the JSON file fxpar-run --metrics FILE wrote.",

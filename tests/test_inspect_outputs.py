@@ -383,6 +383,34 @@ def test_timeline_from_metrics(capsys, tmp_path):
     assert rc == 2 and "fxpar_metrics" in err
 
 
+def test_profile_predicts_the_step_and_draws_it_next_to_a_run(capsys, net, tmp_path):
+    """--profile: the cost model's step time and per-stage seconds; with --timeline the
+    predicted Gantt chart; with --from-metrics too, the prediction above the measured run."""
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({
+        "name": "slow", "device": "cpu", "conv_flops": 1e9, "matmul_flops": 1e9,
+        "mem_bytes": 1e9, "op_s": 1e-4, "p2p_intra": [1e-3, 1e-9], "p2p_inter": [1e-3, 1e-9],
+        "allreduce_intra": [1e-3, 1e-9], "allreduce_inter": [1e-3, 1e-9]}))
+    rc, out, _ = cli(capsys, *small(net, "--stages", 2, "--microbatches", 2, "--profile", prof))
+    assert rc == 0, out
+    step = float(re.search(r"predicted step on 'slow': ([0-9.]+) s, bubble", out).group(1))
+    assert step > 4 * 1e-3  # at least the two forward and two backward messages
+    assert "stage 0: F " in out and "stage 1: F " in out
+    f = tmp_path / "p.png"
+    rc, out, _ = cli(capsys, *small(net, "--stages", 2, "--microbatches", 2, "--profile", prof,
+                                    "--timeline", f))
+    assert rc == 0 and f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(METRICS))
+    rc, out, _ = cli(capsys, *small(net, "--stages", 2, "--microbatches", 2, "--profile", prof,
+                                    "--timeline", f, "--from-metrics", run))
+    assert rc == 0 and "above" in out
+    rc, _, err = cli(capsys, "--profile", prof, "--timeline", f, "--from-metrics", run)
+    assert rc == 2 and "give the run's model" in err
+    rc, _, err = cli(capsys, *small(net, "--profile", "no-such"))
+    assert rc == 2 and "fxpar-calibrate --out FILE" in err
+
+
 # -- --memory ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule, flight", [("gpipe", (2, 2)), ("1f1b", (2, 1))])
 def test_memory_matches_a_hand_count(net, schedule, flight):

@@ -26,10 +26,12 @@ from torch import fx, nn
 
 from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg
 from fxpar.compiler import draw
+from fxpar.compiler.costmodel import timing
 from fxpar.compiler.driver import PASSES, links_of
 from fxpar.compiler.driver import compile as fx_compile
 from fxpar.compiler.memory import memory_table
 from fxpar.compiler.passdriver import HALO, TRACE, dump
+from fxpar.compiler.profile import Profile, ProfileError
 from fxpar.compiler.report import halo_table, node_table, rank_table, stage_table, totals_line
 from fxpar.compiler.simulate import simulate, stage_costs
 from fxpar.core.plan import (
@@ -109,6 +111,10 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--from-metrics", metavar="RUN.json",
                    help="with --timeline: draw a real run's last step (fxpar-run --metrics)")
     v.add_argument("--memory", action="store_true", help="estimated peak memory per rank")
+    v.add_argument("--profile", metavar="PROFILE",
+                   help="a machine profile (fxpar-calibrate's JSON, or h100-nvlink-ib): "
+                   "print the predicted step time; --timeline then draws seconds (with "
+                   "--from-metrics: the prediction above the measured run)")
     return p
 
 
@@ -121,7 +127,7 @@ class UsageError(ValueError):
 
 def _views(args: argparse.Namespace) -> bool:
     return any(x is not None and x is not False for x in (
-        args.after, args.rank, args.dot, args.svg, args.timeline, args.memory))
+        args.after, args.rank, args.dot, args.svg, args.timeline, args.memory, args.profile))
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -132,6 +138,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError("--code prints the graph of --after PASS: add --after")
     if args.from_metrics is not None and args.timeline is None:
         raise UsageError("--from-metrics draws a timeline: add --timeline FILE.png")
+    if args.from_metrics is not None and args.profile is not None and \
+            (args.model is None or args.image_size is None):
+        raise UsageError("--from-metrics with --profile draws the prediction next to the run: "
+                         "give the run's model, --image-size and plan options too")
     if args.from_metrics is None and (args.model is None or args.image_size is None):
         raise UsageError("give a model and --image-size (e.g. torchvision:resnet18 "
                          "--image-size 224)")
@@ -169,7 +179,9 @@ def _print_views(args: argparse.Namespace, program: Program, dumps: dict[str, st
             print(f"wrote {args.dot} (DOT, {len(dot.source):,} characters)")
         if args.svg is not None:
             print(f"wrote {draw.render_svg(dot, args.svg)} (SVG)")
-    if args.timeline is not None:
+    if args.profile is not None:
+        _predict(args, program)
+    elif args.timeline is not None:
         costs = {s: f / 1e9 for s, f in stage_costs(program).items()}
         unit = not any(costs.values())
         draw.draw_timeline(
@@ -183,6 +195,35 @@ def _print_views(args: argparse.Namespace, program: Program, dumps: dict[str, st
         print(memory_table(program))
 
 
+def _predict(args: argparse.Namespace, program: Program) -> None:
+    """``--profile``: the step the cost model predicts; with --timeline its Gantt chart (and
+    the measured run's below it with --from-metrics)."""
+    profile = Profile.load(args.profile)
+    tm = timing(program, profile)
+    sim = simulate(program.schedule, links_of(program.graph),
+                   together=program.rank_map.tile_groups(), timing=tm)
+    plan = program.plan
+    print(f"predicted step on {profile.name!r}: {sim.makespan:.4f} s, bubble {sim.bubble:.1%}")
+    for s, st in tm.stages.items():
+        print(f"  stage {s}: F {st.f * 1e3:.3f} ms, B {st.b * 1e3:.3f} ms per micro-batch "
+              f"(halos and statistics {st.comm_f * 1e3:.3f} ms each way)")
+    if args.timeline is None:
+        return
+    title = (f"{args.model}: {plan.schedule}, {plan.stages} stage(s), {plan.microbatches} "
+             f"micro-batch(es), {program.world_size} rank(s)")
+    predicted = draw.bars_from_sim(sim)
+    if args.from_metrics is not None:
+        measured = draw.bars_from_metrics(load_metrics(args.from_metrics))
+        draw.comparison_figure(predicted, measured, title, "seconds").savefig(args.timeline,
+                                                                             dpi=110)
+        print(f"wrote {args.timeline} (predicted on {profile.name!r} above "
+              f"{args.from_metrics})")
+        return
+    draw.draw_timeline(predicted, args.timeline, f"{title} (predicted on {profile.name!r})",
+                       "predicted seconds")
+    print(f"wrote {args.timeline} (predicted timeline of {program.world_size} rank(s))")
+
+
 def _uninitialised(name: str, module: nn.Module) -> None:
     """fxpar-inspect's ``init``: leave a materialised module's memory as it is."""
 
@@ -192,14 +233,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(args)
     except (ModelSpecError, TraceError, PlanError, ValueError, TypeError,
-            draw.PictureError, OSError) as e:
+            draw.PictureError, OSError, ProfileError) as e:
         print(f"fxpar-inspect: error: {e}", file=sys.stderr)
         return 2
 
 
 def _main(args: argparse.Namespace) -> int:
     _check_args(args)
-    if args.from_metrics is not None:
+    if args.from_metrics is not None and args.profile is None:
         metrics = load_metrics(args.from_metrics)
         draw.draw_timeline(draw.bars_from_metrics(metrics), args.timeline,
                            f"{metrics.get('model', '')}: last step of a real run on "

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     import graphviz
     from matplotlib.figure import Figure
 
+    from fxpar.compiler.costmodel import Timing
     from fxpar.io.program import Program
 
 STAGE_COLOURS = ("#a6cee3", "#b2df8a", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7", "#fccde5",
@@ -250,13 +251,14 @@ def bars_from_sim(result: SimResult) -> dict[int, list[Bar]]:
             for r, spans in result.spans.items()}
 
 
-def timeline_bars(program: Program, stage_cost: Mapping[int, float] | None = None
-                  ) -> dict[int, list[Bar]]:
+def timeline_bars(program: Program, stage_cost: Mapping[int, float] | None = None,
+                  timing: Timing | None = None) -> dict[int, list[Bar]]:
     """Simulate one training step of ``program`` (F of stage s costs ``stage_cost[s]``, B
-    twice that; unit costs F=1, B=2 when None) and return each rank's bars."""
+    twice that; unit costs F=1, B=2 when None; seconds of a cost model with ``timing``) and
+    return each rank's bars."""
     return bars_from_sim(simulate(program.schedule, links_of(program.graph),
                                   stage_cost=stage_cost,
-                                  together=program.rank_map.tile_groups()))
+                                  together=program.rank_map.tile_groups(), timing=timing))
 
 
 def bars_from_metrics(metrics: Mapping[str, Any]) -> dict[int, list[Bar]]:
@@ -282,10 +284,35 @@ def timeline_figure(bars: Mapping[int, list[Bar]], title: str, xlabel: str) -> F
     Patch = _needs("matplotlib.patches", "drawing a timeline (--timeline)").Patch
 
     ranks = sorted(bars)
+    fig = Figure(figsize=(12, 0.55 * len(ranks) + 1.6))
+    _gantt(fig.subplots(), bars, title, xlabel, Patch)
+    fig.tight_layout()
+    return fig
+
+
+def comparison_figure(predicted: Mapping[int, list[Bar]], measured: Mapping[int, list[Bar]],
+                      title: str, xlabel: str) -> Figure:
+    """The predicted timeline above the measured one, on one time axis."""
+    Figure = _needs("matplotlib.figure", "drawing a timeline (--timeline)").Figure
+    Patch = _needs("matplotlib.patches", "drawing a timeline (--timeline)").Patch
+    n = max(len(predicted), len(measured))
+    fig = Figure(figsize=(12, 2 * (0.55 * n + 1.2)))
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    end = lambda bars: max((b.end for bs in bars.values() for b in bs), default=0.0)  # noqa: E731
+    _gantt(top, predicted, f"{title}: predicted ({end(predicted):.3f} s)", "", Patch)
+    _gantt(bottom, measured, f"measured ({end(measured):.3f} s)", xlabel, Patch,
+           legend=False)
+    top.set_xlim(0, max(end(predicted), end(measured), 1e-9) * 1.01)
+    fig.tight_layout()
+    return fig
+
+
+def _gantt(ax: Any, bars: Mapping[int, list[Bar]], title: str, xlabel: str, Patch: Any,
+           legend: bool = True) -> None:
+    """One Gantt chart on ``ax`` (:func:`timeline_figure`)."""
+    ranks = sorted(bars)
     end = max((b.end for bs in bars.values() for b in bs), default=1.0) or 1.0
     sliver = end * 0.004
-    fig = Figure(figsize=(12, 0.55 * len(ranks) + 1.6))
-    ax = fig.subplots()
     for r in ranks:
         for b in bars[r]:
             width = max(b.end - b.start, sliver)
@@ -303,6 +330,8 @@ def timeline_figure(bars: Mapping[int, list[Bar]], title: str, xlabel: str) -> F
     ax.set_xlim(0, end * 1.01)
     ax.set_xlabel(xlabel)
     ax.set_title(title)
+    if not legend:
+        return
     handles = [Patch(color=c, alpha=0.45 if k == "recv" else 1.0,
                      label="recv (waiting)" if k == "recv" else k)
                for k, c in KIND_COLOURS.items()]
@@ -311,8 +340,6 @@ def timeline_figure(bars: Mapping[int, list[Bar]], title: str, xlabel: str) -> F
                              label="GEMS copy 1"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8,
               frameon=False)
-    fig.tight_layout()
-    return fig
 
 
 def draw_timeline(bars: Mapping[int, list[Bar]], path: str | Path, title: str,
