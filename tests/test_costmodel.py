@@ -82,7 +82,7 @@ class _SlowComm:
 
 
 def test_calibration_fits_known_link_costs():
-    p2p, ar = Link(2e-3, 1e-9), Link(3e-3, 2e-9)
+    p2p, ar = Link(2e-2, 1e-8), Link(3e-2, 2e-8)  # large next to a loaded machine's jitter
     got = communication(_SlowComm(p2p, ar), repeats=2)  # type: ignore[arg-type]
     assert got["p2p"].alpha == pytest.approx(p2p.alpha, rel=0.3)
     assert got["p2p"].beta == pytest.approx(p2p.beta, rel=0.3)
@@ -91,7 +91,7 @@ def test_calibration_fits_known_link_costs():
 
 
 def test_compute_calibration_gives_positive_rates():
-    rates = compute(min_run_time=0.01)
+    rates = compute(min_run_time=0.01, quick=True)
     assert rates["conv_flops"] > 1e8 and rates["matmul_flops"] > 1e8
     assert rates["mem_bytes"] > 1e7 and rates["op_s"] > 0
     assert len(rates["convs"]) == 3

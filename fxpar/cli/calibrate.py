@@ -22,8 +22,8 @@ def _summary(p: Profile) -> str:
         return f"  {name:16s} alpha {v.alpha * 1e6:8.2f} us   {bw}"
 
     return "\n".join([
-        f"profile {p.name!r} ({p.device}, {p.ranks_per_node} rank(s) per node, "
-        f"{p.cores_per_rank} thread(s) per rank)",
+        f"profile {p.name!r} ({p.device}, {p.ranks_per_node} rank(s) per node at full speed "
+        f"up to {p.slots_per_node or p.ranks_per_node}, {p.cores_per_rank} thread(s) per rank)",
         f"  convolutions     {p.conv_flops / 1e9:10.2f} GFLOP/s",
         f"  matrix products  {p.matmul_flops / 1e9:10.2f} GFLOP/s",
         f"  memory           {p.mem_bytes / 1e9:10.2f} GB/s",
@@ -41,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", help="write the profile here (rank 0)")
     parser.add_argument("--name", default="this-machine", help="the profile's name")
     parser.add_argument("--quick", action="store_true", help="shorter timings (tests)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks jobs will place on one node (default: its cores)")
     parser.add_argument("--show", metavar="PROFILE",
                         help="print a profile (a JSON file or a shipped name) and exit")
     a = parser.parse_args(argv)
@@ -56,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fxpar.compiler.calibrate import calibrate
 
     comm = world()
-    profile = calibrate(comm if comm.size > 1 else None, a.name, a.quick)
+    profile = calibrate(comm if comm.size > 1 else None, a.name, a.quick, a.ranks_per_node)
     if comm.rank == 0:
         print(_summary(profile))
         if a.out:

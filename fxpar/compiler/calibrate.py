@@ -2,8 +2,9 @@
 sizes, and of the project's own ``Comm`` between ranks.
 
 Compute (each rank's view, one rank measures): 3x3 convolutions forward at three shapes (FLOPs
-from torch's FlopCounterMode), a linear layer, a ReLU over 16 M values (bytes read and written),
-and a ReLU over one value (the fixed cost per op), each timed with torch.utils.benchmark.
+counted as torch's FlopCounterMode counts them: a multiply-add is 2), a linear layer, a ReLU
+over 16 M values (bytes read and written) and a ReLU over one value (the fixed cost per op),
+each the median of 5 timeit batches.
 Communication (with 2 ranks or more): a ping-pong between ranks 0 and 1 at sizes from 8 bytes to
 4 MiB (one-way time = half the round trip) and an allreduce over every rank at the same sizes;
 ``alpha`` is the smallest message's time and ``beta`` the slope of the rest above it (the
@@ -14,15 +15,15 @@ measured and copy the intra-node ones (``measured["inter"]`` says so).
 
 from __future__ import annotations
 
-import logging
+import os
 import statistics
 import time
+import timeit
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.profile import Link, Profile
@@ -34,26 +35,22 @@ SIZES = (8, 1024, 65536, 1 << 20, 4 << 20)
 
 
 def _timed(fn: Callable[[], Any], min_run_time: float) -> float:
-    """Median seconds of one call (torch.utils.benchmark's blocked autorange)."""
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # CUDA_HOME noise
-    from torch.utils import benchmark
-
+    """Median seconds of one call: 5 batches of calls (timeit), each about a fifth of
+    ``min_run_time`` long, after one warm-up call."""
+    t0 = time.perf_counter()
     fn()
-    return benchmark.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(
-        min_run_time=min_run_time).median
+    once = max(time.perf_counter() - t0, 1e-7)
+    number = max(1, int(min_run_time / 5 / once))
+    return statistics.median(timeit.Timer(fn).repeat(repeat=5, number=number)) / number
 
 
-def _flops(fn: Callable[[], Any]) -> int:
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return counter.get_total_flops()
-
-
-def compute(min_run_time: float = 0.2) -> dict[str, Any]:
-    """This process's convolution and matrix-product FLOP/s, memory bytes/s and op cost."""
+def compute(min_run_time: float = 0.2, quick: bool = False) -> dict[str, Any]:
+    """This process's convolution and matrix-product FLOP/s, memory bytes/s and op cost
+    (``quick``: small shapes, for tests: the rates it gives are not the machine's)."""
     torch.manual_seed(0)
     convs = []
     for n, cin, cout, side in CONV_SHAPES:
+        side = side // 8 if quick else side
         x = torch.randn(n, cin, side, side)
         w = torch.randn(cout, cin, 3, 3)
 
@@ -61,11 +58,13 @@ def compute(min_run_time: float = 0.2) -> dict[str, Any]:
             return F.conv2d(x, w, padding=1)
 
         t = _timed(conv, min_run_time)
-        convs.append({"shape": [n, cin, cout, side], "seconds": t, "flops": _flops(conv)})
-    a, w = torch.randn(256, 1024), torch.randn(1024, 1024)
+        flops = 2 * n * cout * side * side * cin * 9  # multiply-add = 2, as FlopCounterMode
+        convs.append({"shape": [n, cin, cout, side], "seconds": t, "flops": flops})
+    a, w = (torch.randn(16, 128), torch.randn(128, 128)) if quick else \
+        (torch.randn(256, 1024), torch.randn(1024, 1024))
     t_mm = _timed(lambda: F.linear(a, w), min_run_time)
-    mm_flops = _flops(lambda: F.linear(a, w))
-    big = torch.randn(16 << 20)
+    mm_flops = 2 * a.shape[0] * a.shape[1] * w.shape[0]
+    big = torch.randn((1 if quick else 16) << 20)
     t_mem = _timed(lambda: torch.relu(big), min_run_time)
     one = torch.randn(1)
     t_op = _timed(lambda: torch.relu(one), min_run_time)
@@ -74,7 +73,7 @@ def compute(min_run_time: float = 0.2) -> dict[str, Any]:
         "matmul_flops": mm_flops / t_mm,
         "mem_bytes": 2 * big.numel() * big.element_size() / t_mem,
         "op_s": t_op,
-        "convs": convs, "matmul_s": t_mm, "relu_16M_s": t_mem,
+        "convs": convs, "matmul_s": t_mm, "relu_s": t_mem, "relu_values": big.numel(),
     }
 
 
@@ -123,15 +122,17 @@ def communication(comm: Comm, repeats: int = 20) -> dict[str, Any]:
             "allreduce_points": ar}
 
 
-def calibrate(comm: Comm | None, name: str, quick: bool = False) -> Profile:
+def calibrate(comm: Comm | None, name: str, quick: bool = False,
+              ranks_per_node: int | None = None) -> Profile:
     """A profile of this machine: compute on rank 0 (every rank in step), communication over
-    ``comm`` when it has 2 ranks or more."""
+    ``comm`` when it has 2 ranks or more. ranks_per_node: how many ranks jobs will place on
+    one node (default: as many as this node has cores); its slots are its cores / threads."""
     min_run = 0.05 if quick else 0.2
     rank = comm.rank if comm is not None else 0
     measured: dict[str, Any] = {}
-    comp = compute(min_run) if rank == 0 else {}
+    comp = compute(min_run) if rank == 0 else {}  # quick shortens the timing, not the shapes
     measured["compute"] = {k: v for k, v in comp.items()
-                           if k in ("convs", "matmul_s", "relu_16M_s")}
+                           if k in ("convs", "matmul_s", "relu_s", "relu_values")}
     p2p = allreduce = Link(0.0, 0.0)
     per_node = 1
     if comm is not None and comm.size > 1:
@@ -145,8 +146,12 @@ def calibrate(comm: Comm | None, name: str, quick: bool = False) -> Profile:
         measured["inter"] = "all ranks on one node: inter-node links copy the intra-node ones"
     if comm is not None:
         comp = comm.bcast_object(comp)
+    threads = torch.get_num_threads()
+    slots = max(1, (os.cpu_count() or 1) // threads)
+    measured["ranks_sharing_this_node"] = per_node
     return Profile(
         name=name, device="cpu", conv_flops=comp["conv_flops"],
         matmul_flops=comp["matmul_flops"], mem_bytes=comp["mem_bytes"], op_s=comp["op_s"],
         p2p_intra=p2p, p2p_inter=p2p, allreduce_intra=allreduce, allreduce_inter=allreduce,
-        ranks_per_node=per_node, cores_per_rank=torch.get_num_threads(), measured=measured)
+        ranks_per_node=ranks_per_node or max(per_node, slots), cores_per_rank=threads,
+        slots_per_node=slots, measured=measured)

@@ -5,7 +5,9 @@ Compute: each node of the analysed graph costs ``op_s`` plus the larger of its F
 profile's rate for its kind (convolutions, matrix products; torch's FlopCounter counted them)
 and the bytes it moves at ``mem_bytes`` (reads about as much as it writes: twice its output),
 for one chunk (the compiler analyses the graph at one chunk of the batch) and, in a spatial
-stage, one tile (1/P of a tiled node). A backward costs ``BACKWARD`` times its forward.
+stage, one tile (1/P of a tiled node). A backward costs ``BACKWARD`` times its forward. Ranks
+beyond a node's slots share them (``Profile.slowdown``: 4 ranks on 2 cores compute at half
+speed).
 
 Communication: a spatial stage's halo exchanges (every windowed node of the region, the
 messages and bytes of the tile with the most neighbours, ``exchange`` geometry) and its norm
@@ -129,7 +131,9 @@ def stage_seconds(program: Program, profile: Profile) -> dict[int, StageSeconds]
             if isinstance(classify(gm, n), (BatchNorm, Norm)):
                 link = profile.allreduce_intra
                 comm[s] += math.ceil(math.log2(grid.size)) * link.alpha
-    return {s: StageSeconds(comp[s] + comm[s], BACKWARD * comp[s] + comm[s], comm[s], comm[s])
+    slow = profile.slowdown(program.world_size)
+    return {s: StageSeconds(slow * comp[s] + comm[s], slow * BACKWARD * comp[s] + comm[s],
+                            comm[s], comm[s])
             for s in range(plan.stages)}
 
 
@@ -178,7 +182,8 @@ def timing(program: Program, profile: Profile) -> Timing:
             return stages[a.stage].b
         if a.kind == "STEP":
             nbytes = sum(params[s] for s in held.get(rank, ()))
-            return OPTIMIZER_PASSES * nbytes / profile.mem_bytes + profile.op_s
+            return profile.slowdown(program.world_size) * (
+                OPTIMIZER_PASSES * nbytes / profile.mem_bytes + profile.op_s)
         if a.kind == "ALLREDUCE":
             total = 0.0
             for s in held.get(rank, ()):

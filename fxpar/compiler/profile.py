@@ -61,13 +61,23 @@ class Profile:
     sent in it)."""
     allreduce_inter: Link
     ranks_per_node: int = 1
+    """Ranks placed on one node (rank r sits on node r // ranks_per_node)."""
     cores_per_rank: int = 1
+    slots_per_node: int = 0
+    """Ranks a node runs at full speed (its cores / cores_per_rank, or its GPUs); more ranks
+    on a node share them and compute proportionally slower (0: ranks_per_node)."""
     measured: dict[str, Any] = field(default_factory=dict)
     """What the calibration saw (raw timings), for the record."""
     sources: tuple[str, ...] = ()
     """Where published figures came from (shipped profiles)."""
     notes: str = ""
     """What was assumed rather than measured or published."""
+
+    def slowdown(self, world_size: int) -> float:
+        """How much slower each rank computes when ``world_size`` ranks are placed
+        (oversubscribed nodes share their slots)."""
+        on_node = min(world_size, self.ranks_per_node)
+        return max(1.0, on_node / (self.slots_per_node or self.ranks_per_node))
 
     def link(self, a: int, b: int, collective: bool = False) -> Link:
         """The link between ranks ``a`` and ``b`` (same node: ``rank // ranks_per_node``)."""
