@@ -9,7 +9,8 @@ import pytest
 from fxpar.testing import run_cases
 
 HERE = Path(__file__).parent / "cases"
-FILES = [HERE / f"{name}_cases.py" for name in ("emit", "checkpoint", "meta", "driver")]
+FILES = [HERE / f"{name}_cases.py" for name in ("emit", "checkpoint", "meta", "driver",
+                                                  "calibrate")]
 CASES = [f"{f}::{line.split('(')[0][4:]}" for f in FILES if f.exists()
          for line in f.read_text().splitlines() if line.startswith("def case_")]
 IDS = [c.split("/")[-1].replace("_cases.py::", ":") for c in CASES]

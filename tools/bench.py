@@ -75,8 +75,9 @@ def check_section(sec: Any, where: str = "section") -> dict[str, Any]:
         if not str(p.get("file", "")).endswith(".png") or "/" in str(p.get("file")):
             raise ValueError(f"{where}: plot file {p.get('file')!r} must be a bare name ending "
                              f"in .png (it is written under the plots folder)")
-        if p.get("kind", "line") not in ("line", "bar"):
-            raise ValueError(f"{where}: plot {p['file']} kind must be 'line' or 'bar'")
+        if p.get("kind", "line") not in ("line", "bar", "scatter"):
+            raise ValueError(f"{where}: plot {p['file']} kind must be 'line', 'bar' or "
+                             f"'scatter'")
     for a in sec.get("aims", []):
         missing = {"what", "aim", "measured", "met"} - set(a)
         if missing:
@@ -153,7 +154,8 @@ def table_md(t: dict[str, Any]) -> str:
 
 
 def draw(plot: dict[str, Any], path: Path) -> None:
-    """One PNG: ``line`` series over x, or ``bar``: grouped bars over the x values in order."""
+    """One PNG: ``line`` series over x, ``bar``: grouped bars over the x values in order, or
+    ``scatter``: points (with ``diagonal``, the line y = x)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,6 +173,13 @@ def draw(plot: dict[str, Any], path: Path) -> None:
             pos = [i + (k - (len(series) - 1) / 2) * width for i, x in enumerate(xs) if x in ys]
             ax.bar(pos, [ys[x] for x in xs if x in ys], width, label=label)
         ax.set_xticks(range(len(xs)), [str(x) for x in xs])
+    elif plot.get("kind") == "scatter":  # points; ``diagonal``: the line y = x
+        for label, pts in series.items():
+            ax.scatter([x for x, _ in pts], [y for _, y in pts], label=label, s=18)
+        if plot.get("diagonal"):
+            top = max((max(x, y) for pts in series.values() for x, y in pts), default=1.0)
+            ax.plot([0, top * 1.05], [0, top * 1.05], color="grey", linestyle="--",
+                    linewidth=1, label="y = x")
     else:
         for label, pts in series.items():
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)

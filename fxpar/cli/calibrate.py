@@ -25,9 +25,12 @@ def _summary(p: Profile) -> str:
         f"profile {p.name!r} ({p.device}, {p.ranks_per_node} rank(s) per node at full speed "
         f"up to {p.slots_per_node or p.ranks_per_node}, {p.cores_per_rank} thread(s) per rank)",
         f"  convolutions     {p.conv_flops / 1e9:10.2f} GFLOP/s",
+        f"  depthwise convs  {(p.dwconv_flops or p.conv_flops) / 1e9:10.2f} GFLOP/s",
         f"  matrix products  {p.matmul_flops / 1e9:10.2f} GFLOP/s",
         f"  memory           {p.mem_bytes / 1e9:10.2f} GB/s",
+        f"  norms            {(p.norm_bytes or p.mem_bytes) / 1e9:10.2f} GB/s",
         f"  per op           {p.op_s * 1e6:10.2f} us",
+        f"  per tile op      {p.tile_op_s * 1e6:10.2f} us (each way)",
         *(link(k) for k in ("p2p_intra", "p2p_inter", "allreduce_intra", "allreduce_inter")),
     ])
 

@@ -2,15 +2,17 @@
 sizes, and of the project's own ``Comm`` between ranks.
 
 Compute (each rank's view, one rank measures): 3x3 convolutions forward at three shapes (FLOPs
-counted as torch's FlopCounterMode counts them: a multiply-add is 2), a linear layer, a ReLU
-over 16 M values (bytes read and written) and a ReLU over one value (the fixed cost per op),
+counted as torch's FlopCounterMode counts them: a multiply-add is 2), a depthwise one, a linear
+layer, a ReLU over 4 M values (bytes read and written), a training BatchNorm over 8x64x64x64
+values and a ReLU over one value (the fixed cost per op),
 each the median of 5 timeit batches.
 Communication (with 2 ranks or more): a ping-pong between ranks 0 and 1 at sizes from 8 bytes to
 4 MiB (one-way time = half the round trip) and an allreduce over every rank at the same sizes;
 ``alpha`` is the smallest message's time and ``beta`` the slope of the rest above it (the
-allreduce per ring step: time / (2 (g - 1)) against bytes / g). Ranks that share a node are
-told by MPI (``COMM_TYPE_SHARED``); with all ranks on one node, the inter-node links are not
-measured and copy the intra-node ones (``measured["inter"]`` says so).
+allreduce per ring step: time / (2 (g - 1)) against bytes / g). A tiny spatial model then
+measures what a tile op costs in fxpar's own runtime (:func:`tile_ops`). Ranks that share a
+node are told by MPI (``COMM_TYPE_SHARED``); with all ranks on one node, the inter-node links
+are not measured and copy the intra-node ones (``measured["inter"]`` says so).
 """
 
 from __future__ import annotations
@@ -60,20 +62,30 @@ def compute(min_run_time: float = 0.2, quick: bool = False) -> dict[str, Any]:
         t = _timed(conv, min_run_time)
         flops = 2 * n * cout * side * side * cin * 9  # multiply-add = 2, as FlopCounterMode
         convs.append({"shape": [n, cin, cout, side], "seconds": t, "flops": flops})
+    act = torch.randn(8 if not quick else 2, 64, 64 if not quick else 16, 64)
+    dw = torch.randn(64, 1, 3, 3)
+    t_dw = _timed(lambda: F.conv2d(act, dw, padding=1, groups=64), min_run_time)
+    dw_flops = 2 * act.numel() * 9
     a, w = (torch.randn(16, 128), torch.randn(128, 128)) if quick else \
         (torch.randn(256, 1024), torch.randn(1024, 1024))
     t_mm = _timed(lambda: F.linear(a, w), min_run_time)
     mm_flops = 2 * a.shape[0] * a.shape[1] * w.shape[0]
-    big = torch.randn((1 if quick else 16) << 20)
+    big = torch.randn((1 if quick else 4) << 20)  # an activation's size (16 MiB)
     t_mem = _timed(lambda: torch.relu(big), min_run_time)
+    ones, zeros = torch.ones(64), torch.zeros(64)
+    t_norm = _timed(lambda: F.batch_norm(act, zeros.clone(), ones.clone(), ones, zeros, True),
+                    min_run_time)
     one = torch.randn(1)
     t_op = _timed(lambda: torch.relu(one), min_run_time)
     return {
         "conv_flops": statistics.median(c["flops"] / c["seconds"] for c in convs),
         "matmul_flops": mm_flops / t_mm,
         "mem_bytes": 2 * big.numel() * big.element_size() / t_mem,
+        "norm_bytes": 2 * act.numel() * act.element_size() / t_norm,
+        "dwconv_flops": dw_flops / t_dw,
         "op_s": t_op,
         "convs": convs, "matmul_s": t_mm, "relu_s": t_mem, "relu_values": big.numel(),
+        "batch_norm_s": t_norm, "batch_norm_shape": list(act.shape),
     }
 
 
@@ -122,6 +134,48 @@ def communication(comm: Comm, repeats: int = 20) -> dict[str, Any]:
             "allreduce_points": ar}
 
 
+TILE_LAYERS = 8
+"""Convolution + BatchNorm + ReLU blocks of the model that measures the cost of a tile op."""
+
+
+def tile_ops(comm: Comm, repeats: int) -> dict[str, Any]:
+    """What one tile op of a spatial stage costs in fxpar's own runtime: a tiny model of
+    ``TILE_LAYERS`` 3x3 convolution + BatchNorm + ReLU blocks (2 tile ops each, both ways) on
+    a 2x8x16x16 image, its step timed on ranks 0 and 1 as ``Plan(spatial_parts=2)`` and on each
+    alone as ``Plan()``; per tile op, (SP step - one rank's step / 2) / (4 x blocks). Every rank
+    of ``comm`` takes part (the others wait)."""
+    from torch import nn
+
+    from fxpar.compiler.driver import compile as fx_compile
+    from fxpar.core.plan import Plan
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+              for _ in range(TILE_LAYERS)]
+    model = nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    x, y = torch.randn(2, 8, 16, 16), torch.tensor([0, 1])
+    meta = torch.empty(x.shape, device="meta")
+
+    def step_time(plan: Plan, group: Comm) -> float:
+        rp = fx_compile(model, plan, meta).local(group)
+        rp.train_step(x, y)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            rp.train_step(x, y)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    pair = comm.split(0 if comm.rank < 2 else 1)
+    alone = comm.split(comm.rank)
+    one = step_time(Plan(), alone)
+    comm.barrier()
+    sp = step_time(Plan(spatial_parts=2), pair) if comm.rank < 2 else 0.0
+    comm.barrier()
+    per_op = max(sp - one / 2, 0.0) / (4 * TILE_LAYERS)
+    return {"tile_op_s": per_op, "sp2_step_s": sp, "one_rank_step_s": one}
+
+
 def calibrate(comm: Comm | None, name: str, quick: bool = False,
               ranks_per_node: int | None = None) -> Profile:
     """A profile of this machine: compute on rank 0 (every rank in step), communication over
@@ -132,12 +186,16 @@ def calibrate(comm: Comm | None, name: str, quick: bool = False,
     measured: dict[str, Any] = {}
     comp = compute(min_run) if rank == 0 else {}  # quick shortens the timing, not the shapes
     measured["compute"] = {k: v for k, v in comp.items()
-                           if k in ("convs", "matmul_s", "relu_s", "relu_values")}
+                           if k in ("convs", "matmul_s", "relu_s", "relu_values", "batch_norm_s",
+                                     "batch_norm_shape")}
     p2p = allreduce = Link(0.0, 0.0)
+    tiles: dict[str, Any] = {}
     per_node = 1
     if comm is not None and comm.size > 1:
         got = communication(comm, 5 if quick else 20)
         p2p, allreduce = got["p2p"], got["allreduce"]
+        tiles = tile_ops(comm, 3 if quick else 10)
+        measured["tile_ops"] = tiles
         per_node = comm.node_size()
         measured.update(p2p_points=got["p2p_points"], allreduce_points=got["allreduce_points"])
     else:
@@ -152,6 +210,8 @@ def calibrate(comm: Comm | None, name: str, quick: bool = False,
     return Profile(
         name=name, device="cpu", conv_flops=comp["conv_flops"],
         matmul_flops=comp["matmul_flops"], mem_bytes=comp["mem_bytes"], op_s=comp["op_s"],
+        norm_bytes=comp["norm_bytes"], dwconv_flops=comp["dwconv_flops"],
+        tile_op_s=tiles["tile_op_s"] if tiles else 0.0,
         p2p_intra=p2p, p2p_inter=p2p, allreduce_intra=allreduce, allreduce_inter=allreduce,
         ranks_per_node=ranks_per_node or max(per_node, slots), cores_per_rank=threads,
         slots_per_node=slots, measured=measured)

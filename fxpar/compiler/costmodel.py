@@ -2,8 +2,10 @@
 simulator (``simulate(..., timing=...)``) runs the per-rank action lists on.
 
 Compute: each node of the analysed graph costs ``op_s`` plus the larger of its FLOPs at the
-profile's rate for its kind (convolutions, matrix products; torch's FlopCounter counted them)
-and the bytes it moves at ``mem_bytes`` (reads about as much as it writes: twice its output),
+profile's rate for its kind (dense and grouped convolutions, matrix products; torch's
+FlopCounter counted them)
+and the bytes it moves at ``mem_bytes`` (``norm_bytes`` for norms; it reads about as much as it
+writes: twice its output),
 for one chunk (the compiler analyses the graph at one chunk of the batch) and, in a spatial
 stage, one tile (1/P of a tiled node). A backward costs ``BACKWARD`` times its forward. Ranks
 beyond a node's slots share them (``Profile.slowdown``: 4 ranks on 2 cores compute at half
@@ -11,7 +13,8 @@ speed).
 
 Communication: a spatial stage's halo exchanges (every windowed node of the region, the
 messages and bytes of the tile with the most neighbours, ``exchange`` geometry) and its norm
-statistics (one allgather per BatchNorm / GroupNorm) add to its F and B; a pipeline message
+statistics (one allgather per BatchNorm / GroupNorm), each with the runtime's fixed cost of a
+tile op (``tile_op_s``), add to its F and B; a pipeline message
 costs ``alpha + beta * bytes`` on the link between the two ranks; ALLREDUCE is a ring over the
 ranks holding the same stages, 2 (g - 1) steps of ``bytes / g``; STEP reads and writes the
 parameters, gradients and optimizer state once (memory-bound).
@@ -61,17 +64,30 @@ class StageSeconds:
     comm_b: float = 0.0
 
 
-def node_seconds(n: fx.Node, profile: Profile, share: float) -> float:
-    """Forward seconds of node ``n`` when a rank runs ``share`` of it (a chunk, a tile)."""
+def node_seconds(n: fx.Node, profile: Profile, share: float, norm: bool = False) -> float:
+    """Forward seconds of node ``n`` when a rank runs ``share`` of it (a tile); ``norm``: a
+    BatchNorm / group norm (its own memory rate)."""
     c = meta.find(n, NodeCost)
     if c is None:
         return 0.0
     name = getattr(getattr(n.target, "overloadpacket", None), "__name__", "")
     rate = profile.conv_flops if name in CONV else profile.matmul_flops if name in MATMUL \
         else None
+    if name in CONV and profile.dwconv_flops and _groups(n) > 1:
+        rate = profile.dwconv_flops
     compute = c.flops * share / rate if rate and c.flops else 0.0
-    memory = 2 * c.out_bytes * share / profile.mem_bytes
+    bandwidth = (profile.norm_bytes or profile.mem_bytes) if norm else profile.mem_bytes
+    memory = 2 * c.out_bytes * share / bandwidth
     return profile.op_s + max(compute, memory)
+
+
+def _groups(n: fx.Node) -> int:
+    """The ``groups`` argument of an ATen convolution node (1 when absent)."""
+    names = [a.name for a in n.target._schema.arguments]  # type: ignore[union-attr]
+    pos = names.index("groups") if "groups" in names else -1
+    if pos < 0:
+        return 1
+    return int(n.args[pos]) if len(n.args) > pos else int(n.kwargs.get("groups", 1))
 
 
 def _middle_tile(grid: Grid) -> int:
@@ -125,10 +141,12 @@ def stage_seconds(program: Program, profile: Profile) -> dict[int, StageSeconds]
         lay = meta.find(n, SpatialLayout)
         tiled = lay is not None and lay.tiled and plan.group_size(s) > 1
         share = 1.0 / (plan.group_size(s) if tiled else 1)
-        comp[s] += node_seconds(n, profile, share)
+        norm = isinstance(classify(gm, n), (BatchNorm, Norm))
+        comp[s] += node_seconds(n, profile, share, norm)
         if tiled and grid is not None:
-            comm[s] += halo_seconds(gm, n, grid, tile, profile)
-            if isinstance(classify(gm, n), (BatchNorm, Norm)):
+            halo = halo_seconds(gm, n, grid, tile, profile)
+            comm[s] += halo + (profile.tile_op_s if halo or norm else 0.0)
+            if norm:
                 link = profile.allreduce_intra
                 comm[s] += math.ceil(math.log2(grid.size)) * link.alpha
     slow = profile.slowdown(program.world_size)

@@ -60,6 +60,16 @@ class Profile:
     """One step of a ring allreduce between ranks of one node (alpha per step, beta per byte
     sent in it)."""
     allreduce_inter: Link
+    dwconv_flops: float = 0.0
+    """FLOP/s of grouped (depthwise) convolutions, far below dense ones on CPUs; 0:
+    ``conv_flops``."""
+    tile_op_s: float = 0.0
+    """Fixed seconds a tile op of a spatial stage adds in each direction (a halo exchange, a
+    norm's statistics: the runtime's own overhead and the wait for the group), measured by
+    ``fxpar-calibrate`` with fxpar's runtime; 0: none."""
+    norm_bytes: float = 0.0
+    """Bytes/s of BatchNorm / group norm in training (statistics, then the normalisation: more
+    passes per byte than a pointwise op); 0: ``mem_bytes``."""
     ranks_per_node: int = 1
     """Ranks placed on one node (rank r sits on node r // ranks_per_node)."""
     cores_per_rank: int = 1
@@ -109,10 +119,10 @@ class Profile:
                 raise ProfileError(f"{where}: {k} must be [alpha seconds, beta seconds per "
                                    f"byte], both >= 0, got {v!r}")
             kw[k] = Link(float(v[0]), float(v[1]))
-        for k in rates:
+        for k in (*rates, *(f for f in ("norm_bytes", "tile_op_s", "dwconv_flops") if f in kw)):
             v = kw[k]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or \
-                    (v == 0 and k != "op_s"):
+                    (v == 0 and k not in ("op_s", "norm_bytes", "tile_op_s", "dwconv_flops")):
                 raise ProfileError(f"{where}: {k} must be a positive number, got {v!r}")
         kw["sources"] = tuple(kw.get("sources", ()))
         known = set(cls.__dataclass_fields__)
