@@ -33,7 +33,7 @@ from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.aten_ops import arg
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, Pointwise, Reduce, Window, classify
 from fxpar.passes.halo_fusion import FUSION_KEY, FusedRegion, GroupInfo, fusion_groups
-from fxpar.passes.spatial_region import SpatialLayout
+from fxpar.passes.spatial_region import SpatialLayout, window_needs
 from fxpar.passes.split_stages import model_output
 from fxpar.runtime.spatial.interp import TileInterp
 from fxpar.runtime.spatial.norms import TileGroupNorm
@@ -95,23 +95,6 @@ def _halo(ctx: _Ctx, before: fx.Node, x: fx.Node, needs: list[Rect], fill: float
     n, c = _shape(x)[:2]
     meta.put(node, TensorInfo(((n, c, *ex.need.shape),), (meta.get(x, TensorInfo).dtype,)))
     return node
-
-
-def window_needs(grid: Grid, n: fx.Node, op: Window) -> list[Rect]:
-    """Per tile of ``grid``, the window of its input ``n.args[0]`` that windowed op ``n``
-    needs for the tile's part of its output (may reach past the image: padding)."""
-    x = n.args[0]
-    assert isinstance(x, fx.Node)
-    out_ext, in_ext = _extent(n), _extent(x)
-    image = Rect.whole(in_ext)
-    needs = []
-    for u in range(grid.size):
-        r = grid.tile_rect(out_ext, u)
-        need = Rect(*(op.needs(iv, i) for i, iv in enumerate(r.dims)))
-        if op.kind == "interp":  # border rows repeat (clamp, reflect): no fill past it
-            need = need.intersect(image) or need
-        needs.append(need)
-    return needs
 
 
 def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
@@ -275,8 +258,7 @@ def _tile_batch_norm(ctx: _Ctx, n: fx.Node) -> None:
     if fused is not None:
         region = fused.regions[ctx.tile]
         own = ctx.grid.tile_rect(_extent(n), ctx.tile)
-        box = tuple((a - r, b - r) for (a, b), (r, _) in zip(own.dims, region.dims,
-                                                               strict=True))
+        box = own.moved(tuple(a for a, _ in region.dims)).dims
     name = ctx.add("syncbn", TileBatchNorm(ctx.key, shape[0] * math.prod(shape[2:]),
                                            bn.momentum, bn.eps, bn.owner, box))
     x = _as_tile(ctx, n, n.args[0])  # the input image is whole: my tile

@@ -46,7 +46,7 @@ from fxpar.core import meta
 from fxpar.core.geometry import Grid, Rect, exchange
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.frontend.rules.opclass import BatchNorm, Pointwise, Window, classify
-from fxpar.passes.spatial_region import SpatialLayout
+from fxpar.passes.spatial_region import SpatialLayout, window_needs
 
 FUSABLE = ("conv", "maxpool", "avgpool")
 """Windowed op kinds a group can hold (run by ``HaloOp``)."""
@@ -226,8 +226,7 @@ def _exchange_seconds(x: fx.Node, grid: Grid, needs: list[Rect] | tuple[Rect, ..
         return 0.0
     ex = exchange(grid, _extent(x), list(needs), u)
     msgs = len(ex.recvs) + len(ex.sends)
-    info = meta.get(x, TensorInfo)
-    cell = info.shape[0] * info.shape[1] * torch.empty((), dtype=info.dtype).element_size()
+    cell = meta.get(x, TensorInfo).cell_bytes
     cells = ex.recv_elements() + sum(r.size for _, r in ex.sends)
     return 2 * ((cost.round_s if msgs else 0.0) + msgs * cost.message_s +
                 cells * cell / cost.bytes_per_s)
@@ -239,10 +238,7 @@ def _alone(gm: fx.GraphModule, grid: Grid, w: fx.Node, u: int, cost: FusionCost)
     assert isinstance(op, Window)
     x = w.args[0]
     assert isinstance(x, fx.Node)
-    needs = [Rect(*(op.needs(iv, i) for i, iv in enumerate(grid.tile_rect(_extent(w),
-                                                                          t).dims)))
-             for t in range(grid.size)]
-    return _exchange_seconds(x, grid, needs, u, cost)
+    return _exchange_seconds(x, grid, window_needs(grid, w, op), u, cost)
 
 
 def _fused_seconds(gm: fx.GraphModule, grid: Grid, chain: list[fx.Node],

@@ -23,12 +23,12 @@ import torch
 from torch import fx
 
 from fxpar.core import meta
-from fxpar.core.geometry import Grid
+from fxpar.core.geometry import Grid, Rect
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.plan import Plan, PlanError
 from fxpar.frontend.capture import where
 from fxpar.frontend.rules.islands import find_islands
-from fxpar.frontend.rules.opclass import Pointwise, Reduce, classify, why_not
+from fxpar.frontend.rules.opclass import Pointwise, Reduce, Window, classify, why_not
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,24 @@ def spatial_dims(gm: fx.GraphModule) -> int:
         if n.op == "placeholder" and (ext := _extent(n)) is not None:
             return len(ext)
     return 2
+
+
+def window_needs(grid: Grid, n: fx.Node, op: Window) -> list[Rect]:
+    """Per tile of ``grid``, the window of its input ``n.args[0]`` that windowed op ``n``
+    needs for the tile's part of its output (may reach past the image: padding)."""
+    x = n.args[0]
+    assert isinstance(x, fx.Node)
+    out_ext = tuple(meta.get(n, TensorInfo).shape[2:])
+    in_ext = tuple(meta.get(x, TensorInfo).shape[2:])
+    image = Rect.whole(in_ext)
+    needs = []
+    for u in range(grid.size):
+        r = grid.tile_rect(out_ext, u)
+        need = Rect(*(op.needs(iv, i) for i, iv in enumerate(r.dims)))
+        if op.kind == "interp":  # border rows repeat (clamp, reflect): no fill past it
+            need = need.intersect(image) or need
+        needs.append(need)
+    return needs
 
 
 def image_grid(gm: fx.GraphModule) -> Grid:

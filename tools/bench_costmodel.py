@@ -86,9 +86,6 @@ def worker(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    import ctypes
-    import gc
-
     from bench_memory import saved_step
 
     from fxpar.compiler.memory import estimate
@@ -98,13 +95,10 @@ def worker(a: argparse.Namespace) -> None:
     program = fxpar.compile(_build(a.model), plan, torch.empty(x.shape, device="meta"))
     rp = program.local()
     est = next(m for m in estimate(program) if m.rank == rp.comm.rank)
-    gc.collect()  # the compiler's transient peak is not training memory: reset VmHWM
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    before = int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+    benchlib.reset_peak_rss()
+    before = benchlib.rss_bytes()
     first = saved_step(lambda: rp.train_step(x, y), list(rp.parameters()))  # the warm-up
-    status = Path("/proc/self/status").read_text()
-    peak = int(status.split("VmHWM:")[1].split()[0]) * 1024 - before
+    peak = benchlib.peak_rss_bytes() - before
     memory = {"rank": rp.comm.rank, "saved_bytes": first["saved_bytes"], "peak_growth": peak,
               "est_activations": est.activations + est.received,
               "est_growth": est.grads + est.optimizer + est.activations + est.received}

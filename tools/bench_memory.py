@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import resource
 import sys
 import time
@@ -53,11 +52,6 @@ def add_args(parser: argparse._ActionsContainer) -> None:
 
 
 # -- measuring one step (run inside bench_spatial's worker) -------------------------------
-def rss_bytes() -> int:
-    """This process's resident set now (/proc/self/statm, pages)."""
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def saved_step(step: Callable[[], float], params: list[Any]) -> dict[str, Any]:
     """Run ``step`` once, recording what its forward saves for backward and its memory peak.
 
@@ -81,7 +75,7 @@ def saved_step(step: Callable[[], float], params: list[Any]) -> dict[str, Any]:
                 saved[st.data_ptr()] = st.nbytes()
         return t
 
-    before, max0 = rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before, max0 = benchlib.rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = step()

@@ -63,20 +63,13 @@ def worker(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
 
-    def rss() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
-
-    def high_water() -> int:  # peak RSS since the last reset (Linux VmHWM)
-        status = Path("/proc/self/status").read_text()
-        return int(status.split("VmHWM:")[1].split()[0]) * 1024
-
     if a.ranks > 1 or a.worker == "time" and a.system == "fxpar":
         from fxpar.comm.world import world
 
         comm = world()
     else:
         comm = None
-    before = rss()
+    before = benchlib.rss_bytes()
     torch.manual_seed(0)  # every rank builds the same weights and image
     model = bench_spatial.build(a.model, a.amoeba)
     x = torch.randn(1, 3, a.image, a.image)
@@ -109,19 +102,14 @@ def worker(a: argparse.Namespace) -> None:
             rp.train_step(x, y)
     # the compile's own transient peak is not training memory: reset the high-water mark (what
     # stays resident, model and compiled program included, is counted from `before`)
-    import ctypes
-    import gc
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # the compiler's freed heap back to the system
-    Path("/proc/self/clear_refs").write_text("5")
+    benchlib.reset_peak_rss()
     times = []
     for i in range(a.steps):
         t = time.perf_counter()
         step()
         if i >= a.warmup:
             times.append(time.perf_counter() - t)
-    peak = high_water() - before
+    peak = benchlib.peak_rss_bytes() - before
     mine = {"peak": peak, "time": statistics.median(times) if times else None}
     ranks = comm.allgather_object(mine) if comm is not None else [mine]
     if comm is None or comm.rank == 0:

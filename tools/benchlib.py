@@ -174,6 +174,28 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def rss_bytes() -> int:
+    """This process's resident set now (/proc/self/statm, pages)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> None:
+    """Start a new peak (Linux's VmHWM) from what is resident now: a compiler's transient peak
+    is not training memory. Freed heap goes back to the system first (malloc_trim)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since :func:`reset_peak_rss` (VmHWM)."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+
+
 _SECTION_T0: dict[str, float] = {}
 
 

@@ -135,7 +135,6 @@ def planned_halos(program: Any) -> list[dict[str, int]]:
     every halo's gradient goes back to its owner: a tile then sends ``recv`` and receives
     ``sent``. The input-reading halos (``replicated``: sliced from the data) are left out, as
     halo_table leaves them out."""
-    import torch
 
     from fxpar.core import meta
     from fxpar.core.geometry import Rect
@@ -145,9 +144,7 @@ def planned_halos(program: Any) -> list[dict[str, int]]:
     def cell_bytes(module: Any, halo: Any) -> int:  # batch x channels x element size
         for n in module.graph.nodes:
             if n.op == "call_module" and module.get_submodule(str(n.target)) is halo:
-                info = meta.get(n.args[0], TensorInfo)
-                return info.shape[0] * info.shape[1] * \
-                    torch.empty((), dtype=info.dtype).element_size()
+                return meta.get(n.args[0], TensorInfo).cell_bytes
         return 0
 
     out = []

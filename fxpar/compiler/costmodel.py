@@ -27,20 +27,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
 from torch import fx
 
 from fxpar.compiler.profile import Profile
 from fxpar.core import meta
-from fxpar.core.geometry import Grid, Rect, exchange
+from fxpar.core.geometry import Grid, exchange
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.roles import stage_groups
 from fxpar.core.schedule import Action
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, Window, classify
-from fxpar.passes.spatial_region import SpatialLayout, image_grid
+from fxpar.passes.spatial_region import SpatialLayout, image_grid, window_needs
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
 
 if TYPE_CHECKING:
+    from fxpar.core.stages import Transfer
     from fxpar.io.program import Program
 
 BACKWARD = 2.0
@@ -111,16 +111,12 @@ def halo_seconds(gm: fx.GraphModule, n: fx.Node, grid: Grid, tile: int,
     lay = meta.find(x, SpatialLayout)
     if lay is None or not lay.tiled or x.op == "placeholder":
         return 0.0  # the model input (whole on every rank: it slices its window), no message
-    out_ext = tuple(meta.get(n, TensorInfo).shape[2:])
-    in_ext = tuple(meta.get(x, TensorInfo).shape[2:])
-    needs = [Rect(*(op.needs(iv, i) for i, iv in enumerate(grid.tile_rect(out_ext, u).dims)))
-             for u in range(grid.size)]
-    ex = exchange(grid, in_ext, needs, tile)
+    ex = exchange(grid, tuple(meta.get(x, TensorInfo).shape[2:]), window_needs(grid, n, op),
+                  tile)
     if not ex.recvs and not ex.sends:
         return 0.0
-    info = meta.get(x, TensorInfo)
-    cell = info.shape[0] * info.shape[1] * torch.empty((), dtype=info.dtype).element_size()
-    largest = max([r.size for _, r in (*ex.recvs, *ex.sends)]) * cell
+    largest = max([r.size for _, r in (*ex.recvs, *ex.sends)]) * \
+        meta.get(x, TensorInfo).cell_bytes
     link = profile.p2p_intra
     return (len(ex.recvs) + len(ex.sends)) * link.alpha + largest * link.beta
 
@@ -160,13 +156,16 @@ def _stage_param_bytes(program: Program) -> dict[int, int]:
             for s, m in enumerate(program.graph.modules)}
 
 
+def _rank_bytes(program: Program, t: Transfer) -> int:
+    """Bytes of transfer ``t`` one rank sends (a tiled output leaves as tiles, 1/P each)."""
+    return t.nbytes // (program.plan.group_size(t.src) if t.tiled else 1)
+
+
 def _sent_bytes(program: Program) -> dict[int, int]:
-    """Per stage, bytes it sends forward per chunk (its outputs other stages read; a tiled
-    output leaves as tiles, 1/P each)."""
+    """Per stage, bytes it sends forward per chunk (its outputs other stages read)."""
     out: dict[int, int] = {}
     for t in program.graph.transfers:
-        share = program.plan.group_size(t.src) if t.tiled else 1
-        out[t.src] = out.get(t.src, 0) + t.nbytes // share
+        out[t.src] = out.get(t.src, 0) + _rank_bytes(program, t)
     return out
 
 
@@ -212,8 +211,8 @@ def timing(program: Program, profile: Profile) -> Timing:
             return total
         return 0.0
 
-    grads = {s: sum(t.nbytes // (program.plan.group_size(t.src) if t.tiled else 1)
-                    for t in program.graph.transfers if t.dst == s and t.grad)
+    grads = {s: sum(_rank_bytes(program, t) for t in program.graph.transfers
+                    if t.dst == s and t.grad)
              for s in range(program.plan.stages)}
 
     def transfer(send: Action, src: int, dst: int) -> float:

@@ -95,8 +95,7 @@ def halo_bytes(module: fx.GraphModule) -> int:
         mod = module.get_submodule(str(n.target))
         if not isinstance(mod, (Halo, HaloOp)):
             continue
-        info = meta.get(n.args[0], TensorInfo)
-        cell = info.shape[0] * info.shape[1] * torch.empty((), dtype=info.dtype).element_size()
+        cell = meta.get(n.args[0], TensorInfo).cell_bytes
         ex = mod.exchange
         cells = _area(ex.need) if isinstance(mod, Halo) else \
             0 if mod.replicated else ex.recv_elements()

@@ -217,9 +217,7 @@ def _halo_cell_bytes(module: fx.GraphModule, halo: Halo) -> int:
     """Bytes of one (row, col) cell of the halo's input: batch x channels x element size."""
     for n in module.graph.nodes:
         if n.op == "call_module" and module.get_submodule(str(n.target)) is halo:
-            info = meta.get(n.args[0], TensorInfo)
-            shape = info.shape
-            return shape[0] * shape[1] * torch.empty((), dtype=info.dtype).element_size()
+            return meta.get(n.args[0], TensorInfo).cell_bytes
     return 0
 
 

@@ -73,6 +73,13 @@ class TensorInfo:
         """The dtype of the single output tensor."""
         return self.dtypes[0]
 
+    @property
+    def cell_bytes(self) -> int:
+        """Bytes of one spatial cell (one pixel or voxel) of the single output tensor, over
+        its batch and channels: what a halo row of one cell costs to send."""
+        shape = self.shape
+        return shape[0] * shape[1] * torch.empty((), dtype=self.dtype).element_size()
+
 
 @dataclass(frozen=True)
 class NodeCost:
