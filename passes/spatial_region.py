@@ -74,19 +74,19 @@ def spatial_dims(gm: fx.GraphModule) -> int:
 def window_needs(grid: Grid, n: fx.Node, op: Window) -> list[Rect]:
     """Per tile of ``grid``, the window of its input ``n.args[0]`` that windowed op ``n``
     needs for the tile's part of its output (may reach past the image: padding)."""
+    return [window_need(grid, n, op, u) for u in range(grid.size)]
+
+
+def window_need(grid: Grid, n: fx.Node, op: Window, u: int) -> Rect:
+    """Tile ``u``'s entry of :func:`window_needs`."""
     x = n.args[0]
     assert isinstance(x, fx.Node)
     out_ext = tuple(meta.get(n, TensorInfo).shape[2:])
-    in_ext = tuple(meta.get(x, TensorInfo).shape[2:])
-    image = Rect.whole(in_ext)
-    needs = []
-    for u in range(grid.size):
-        r = grid.tile_rect(out_ext, u)
-        need = Rect(*(op.needs(iv, i) for i, iv in enumerate(r.dims)))
-        if op.kind == "interp":  # border rows repeat (clamp, reflect): no fill past it
-            need = need.intersect(image) or need
-        needs.append(need)
-    return needs
+    r = grid.tile_rect(out_ext, u)
+    need = Rect(*(op.needs(iv, i) for i, iv in enumerate(r.dims)))
+    if op.kind == "interp":  # border rows repeat (clamp, reflect): no fill past it
+        need = need.intersect(Rect.whole(tuple(meta.get(x, TensorInfo).shape[2:]))) or need
+    return need
 
 
 def image_grid(gm: fx.GraphModule) -> Grid:

@@ -22,6 +22,7 @@ parameters, gradients and optimizer state once (memory-bound).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,15 +32,16 @@ from torch import fx
 
 from fxpar.compiler.profile import Profile
 from fxpar.core import meta
-from fxpar.core.geometry import Grid, exchange
+from fxpar.core.geometry import Grid, Rect
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.roles import stage_groups
 from fxpar.core.schedule import Action
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, Window, classify
-from fxpar.passes.spatial_region import SpatialLayout, image_grid, window_needs
+from fxpar.passes.spatial_region import SpatialLayout, image_grid, window_need
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
 
 if TYPE_CHECKING:
+    from fxpar.compiler.simulate import SimResult
     from fxpar.core.stages import Transfer
     from fxpar.io.program import Program
 
@@ -99,26 +101,60 @@ def _middle_tile(grid: Grid) -> int:
     return t
 
 
+def halo_messages(gm: fx.GraphModule, n: fx.Node, grid: Grid, tile: int
+                  ) -> tuple[int, int, int]:
+    """Windowed node ``n``'s halo exchange for ``tile`` in one direction: (messages sent and
+    received, bytes of the largest, bytes received in all); (0, 0, 0) for a node that
+    exchanges nothing. Only the tiles next to ``tile`` (along each dim and diagonally) are
+    looked at, so a grid of 2,048 tiles costs what one of 9 does: a window reaching past a
+    neighbouring tile is not what the planner considers."""
+    op = classify(gm, n)
+    x = n.args[0]
+    if not isinstance(op, Window) or not isinstance(x, fx.Node):
+        return 0, 0, 0
+    lay = meta.find(x, SpatialLayout)
+    if lay is None or not lay.tiled or x.op == "placeholder":
+        return 0, 0, 0  # the model input (whole on every rank: it slices its window)
+    info = meta.get(x, TensorInfo)
+    extent = tuple(info.shape[2:])
+    own = grid.tile_rect(extent, tile)
+    inside = window_need(grid, n, op, tile).intersect(Rect.whole(extent))
+    sizes, received = [], 0
+    for u in _near(grid, tile):
+        sent = own.intersect(window_need(grid, n, op, u))
+        got = grid.tile_rect(extent, u).intersect(inside) if inside is not None else None
+        sizes += [r.size for r in (sent, got) if r is not None]
+        received += got.size if got is not None else 0
+    if not sizes:
+        return 0, 0, 0
+    return len(sizes), max(sizes) * info.cell_bytes, received * info.cell_bytes
+
+
+def _near(grid: Grid, tile: int) -> list[int]:
+    """The tiles around ``tile`` (at most one step along each dim), without it."""
+    pos = grid.position(tile)
+    out = []
+    for step in itertools.product((-1, 0, 1), repeat=grid.ndim):
+        q = [p + d for p, d in zip(pos, step, strict=True)]
+        if any(d for d in step) and all(0 <= v < n for v, n in zip(q, grid.parts,
+                                                                  strict=True)):
+            u = 0
+            for v, n in zip(q, grid.parts, strict=True):
+                u = u * n + v
+            out.append(u)
+    return out
+
+
 def halo_seconds(gm: fx.GraphModule, n: fx.Node, grid: Grid, tile: int,
                  profile: Profile) -> float:
     """One direction's cost of windowed node ``n``'s halo exchange for ``tile``: its messages on
     the intra-node link (tiles of a stage sit next to each other), in parallel (the largest
     message's bytes) after one latency each."""
-    op = classify(gm, n)
-    x = n.args[0]
-    if not isinstance(op, Window) or not isinstance(x, fx.Node):
+    count, largest, _ = halo_messages(gm, n, grid, tile)
+    if not count:
         return 0.0
-    lay = meta.find(x, SpatialLayout)
-    if lay is None or not lay.tiled or x.op == "placeholder":
-        return 0.0  # the model input (whole on every rank: it slices its window), no message
-    ex = exchange(grid, tuple(meta.get(x, TensorInfo).shape[2:]), window_needs(grid, n, op),
-                  tile)
-    if not ex.recvs and not ex.sends:
-        return 0.0
-    largest = max([r.size for _, r in (*ex.recvs, *ex.sends)]) * \
-        meta.get(x, TensorInfo).cell_bytes
     link = profile.p2p_intra
-    return (len(ex.recvs) + len(ex.sends)) * link.alpha + largest * link.beta
+    return count * link.alpha + largest * link.beta
 
 
 def stage_seconds(program: Program, profile: Profile) -> dict[int, StageSeconds]:
@@ -220,6 +256,16 @@ def timing(program: Program, profile: Profile) -> Timing:
         return profile.link(src, dst).seconds(nbytes)
 
     return Timing(seconds, transfer, stages, _components(groups))
+
+
+def predict(program: Program, profile: Profile) -> SimResult:
+    """The timed simulation of one step of ``program`` on ``profile``: step seconds
+    (``makespan``), bubble, per-rank busy time and spans."""
+    from fxpar.compiler.driver import links_of
+    from fxpar.compiler.simulate import simulate
+
+    return simulate(program.schedule, links_of(program.graph),
+                    together=program.rank_map.tile_groups(), timing=timing(program, profile))
 
 
 def _components(groups: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
