@@ -9,8 +9,8 @@ from fxpar.frontend.trace import TraceError, analyze, trace
 from fxpar.io.loader import load as load_program
 from fxpar.io.program import Program, RankProgram
 
-__all__ = ["compile", "plan_auto", "AutoPlan", "load_program", "Plan", "PlanError", "RankMap", "Program", "RankProgram",
-           "TraceError", "analyze", "trace", "__version__"]
+__all__ = ["compile", "plan_auto", "AutoPlan", "load_program", "Plan", "PlanError", "RankMap",
+           "Program", "RankProgram", "TraceError", "analyze", "trace", "__version__"]
 
 # Importing fxpar changes nothing in the process: the fail-fast exception hook (an uncaught
 # exception on any rank ends the whole job) is installed by the rank programs made for MPI
