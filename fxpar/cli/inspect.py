@@ -25,12 +25,14 @@ import torch
 from torch import fx, nn
 
 from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg
+from fxpar.cli.auto import AutoUsageError, add_args, check_no_layout
 from fxpar.compiler import draw
 from fxpar.compiler.costmodel import timing
 from fxpar.compiler.driver import PASSES, links_of
 from fxpar.compiler.driver import compile as fx_compile
 from fxpar.compiler.memory import memory_table
 from fxpar.compiler.passdriver import HALO, TRACE, dump
+from fxpar.compiler.planner import DEFAULT_PROFILE, plan_auto
 from fxpar.compiler.profile import Profile, ProfileError
 from fxpar.compiler.report import halo_table, node_table, rank_table, stage_table, totals_line
 from fxpar.compiler.simulate import simulate, stage_costs
@@ -111,6 +113,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--from-metrics", metavar="RUN.json",
                    help="with --timeline: draw a real run's last step (fxpar-run --metrics)")
     v.add_argument("--memory", action="store_true", help="estimated peak memory per rank")
+    add_args(v, run=False)
     v.add_argument("--profile", metavar="PROFILE",
                    help="a machine profile (fxpar-calibrate's JSON, or h100-nvlink-ib): "
                    "print the predicted step time; --timeline then draws seconds (with "
@@ -118,6 +121,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+INSPECT_DEFAULTS: dict[str, object] = {
+    "stages": None, "balance": None, "microbatches": 1, "schedule": "gpipe", "spatial_parts": 1,
+    "grid": None, "spatial_stages": 1, "gems": False, "times": 1, "data_parallel": 1,
+    "recompute": "never"}
+"""fxpar-inspect's defaults of the options the planner chooses."""
 PASS_NAMES = (TRACE, *(name for name, _ in PASSES), HALO)
 
 
@@ -127,7 +135,8 @@ class UsageError(ValueError):
 
 def _views(args: argparse.Namespace) -> bool:
     return any(x is not None and x is not False for x in (
-        args.after, args.rank, args.dot, args.svg, args.timeline, args.memory, args.profile))
+        args.after, args.rank, args.dot, args.svg, args.timeline, args.memory, args.profile,
+        args.auto))
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -142,6 +151,10 @@ def _check_args(args: argparse.Namespace) -> None:
             (args.model is None or args.image_size is None):
         raise UsageError("--from-metrics with --profile draws the prediction next to the run: "
                          "give the run's model, --image-size and plan options too")
+    if args.auto and args.world_size is None:
+        raise UsageError("--auto plans for a number of ranks: add --world-size N")
+    if args.world_size is not None and not args.auto:
+        raise UsageError("--world-size is the ranks --auto plans for: add --auto")
     if args.from_metrics is None and (args.model is None or args.image_size is None):
         raise UsageError("give a model and --image-size (e.g. torchvision:resnet18 "
                          "--image-size 224)")
@@ -233,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(args)
     except (ModelSpecError, TraceError, PlanError, ValueError, TypeError,
-            draw.PictureError, OSError, ProfileError) as e:
+            draw.PictureError, OSError, ProfileError, AutoUsageError) as e:
         print(f"fxpar-inspect: error: {e}", file=sys.stderr)
         return 2
 
@@ -268,6 +281,13 @@ def _main(args: argparse.Namespace) -> int:
     example = torch.empty(shape, dtype=dtype, device="meta")
     start = time.perf_counter()
     program = None
+    if args.auto:
+        check_no_layout(args, INSPECT_DEFAULTS)
+        found = plan_auto(model, example, args.world_size, args.memory_per_rank,
+                          args.profile or DEFAULT_PROFILE, max_stages=args.max_stages)
+        print(f"model: {args.model}  input: {'x'.join(map(str, shape))} {args.dtype}")
+        print(found.report())
+        return 0
     if not views and args.stages is None and args.spatial_parts == 1 and args.grid is None \
             and not args.gems and args.data_parallel == 1 and args.precision == "fp32" \
             and args.recompute_segments == 1 and args.halo_fusion == "off":

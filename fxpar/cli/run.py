@@ -21,6 +21,7 @@ to another, as ``fxpar-run: error: ...`` with exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg
+from fxpar.cli.auto import AutoUsageError, add_args, check_no_layout, choose
 from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import compile as fx_compile
@@ -78,7 +80,7 @@ PLAN_FLAGS = (("stages", "--stages/--split-size", 1), ("balance", "--balance", N
 MODEL_FLAGS = (("model_arg", "-k"), ("num_layers", "--num-layers"),
                ("num_filters", "--num-filters"))
 USER_ERRORS = (PlanError, ModelSpecError, TraceError, DataError, CheckpointError, ValueError,
-               TypeError)
+               TypeError, AutoUsageError)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -166,6 +168,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--halo-fusion", choices=HALO_FUSION,
                    help="spatial plans: consecutive convolutions / pools share one wider halo "
                    "exchange (default off; auto: where the cost model says it pays)")
+    add_args(g, run=True)
     return p
 
 
@@ -258,8 +261,11 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
     a.image_size = 256 if a.image_size is None else a.image_size
     torch.manual_seed(a.seed)  # every rank builds the same initial model
     dtype = getattr(torch, a.dtype)
+    if a.plan == "auto":
+        check_no_layout(a, {})
     plan = plan_from_args(a)
-    plan.check_batch(a.batch_size)
+    if a.plan != "auto":
+        plan.check_batch(a.batch_size)
     shape = (a.batch_size, a.channels, *size)
     source = _source(a, shape, dtype)
     kwargs = parse_kwargs(a.model_arg)
@@ -270,8 +276,18 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
         kwargs["num_filters"] = a.num_filters
     model = build_model(a.model, **kwargs).to(dtype)
     t0 = time.perf_counter()
-    program = fx_compile(model, plan, torch.empty(shape, dtype=dtype, device="meta"),
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
+    if a.plan == "auto":
+        plan = _auto(a, model, shape, comm, plan)
+    example = torch.empty(shape, dtype=dtype, device="meta")
+    try:
+        program = fx_compile(model, plan, example,
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
+    except PlanError:
+        if a.plan != "auto" or plan.balance is None:
+            raise
+        plan = dataclasses.replace(plan, balance=None)  # the compiler's own cuts
+        program = fx_compile(model, plan, example,
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
     took = time.perf_counter() - t0
     if a.save_program is not None and comm is None and \
             not any(v in os.environ for v in _LAUNCHER_VARS):
@@ -282,6 +298,20 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
 
         save(program, a.save_program, ranks=[rp.rank], manifest=rp.rank == 0)
     return Job(rp, source, rp.input_window(), shape, dtype, took)
+
+
+def _auto(a: argparse.Namespace, model: torch.nn.Module, shape: tuple[int, ...],
+          comm: Comm | None, given: Plan) -> Plan:
+    """``--plan auto``: every rank runs the same search (the same answer); rank 0 prints it."""
+    if comm is None and failfast.launched():
+        from fxpar.comm.world import world as mpi_world
+
+        comm = mpi_world()
+    size, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
+    plan, found = choose(model, shape, size, a, given)
+    if rank == 0:
+        print(found.report(), flush=True)
+    return plan
 
 
 def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:

@@ -1,0 +1,71 @@
+"""``--plan auto`` (fxpar-run) and ``--auto`` (fxpar-inspect): let fxpar.plan_auto choose the
+layout, keeping the options that are not layout (precision, channels_last, halo fusion,
+checkpoint segments) as given."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+from torch import nn
+
+from fxpar.compiler.planner import DEFAULT_PROFILE, AutoPlan, plan_auto
+from fxpar.core.plan import Plan
+
+LAYOUT_FLAGS = {"stages": "--stages", "balance": "--balance", "microbatches": "--microbatches",
+                "schedule": "--schedule", "spatial_parts": "--spatial-parts",
+                "grid": "--grid", "spatial_stages": "--spatial-stages", "gems": "--gems",
+                "times": "--times", "data_parallel": "--data-parallel",
+                "recompute": "--recompute"}
+"""Plan options the planner chooses (argparse dest -> flag)."""
+
+
+class AutoUsageError(ValueError):
+    """--plan auto together with an option the planner chooses."""
+
+
+def add_args(g: argparse._ActionsContainer, run: bool) -> None:
+    """The planner's options (``run``: fxpar-run's ``--plan auto``, else fxpar-inspect's
+    ``--auto``)."""
+    if run:
+        g.add_argument("--plan", choices=("auto",), default=None,
+                       help="auto: choose the layout with the planner (fxpar.plan_auto) for "
+                       "the ranks of this job and --memory-per-rank, ranked on --profile")
+    else:
+        g.add_argument("--auto", action="store_true",
+                       help="search the plans of --world-size ranks (fxpar.plan_auto) and "
+                       "print the top ones with predicted step and memory")
+        g.add_argument("--world-size", type=int, default=None, metavar="N",
+                       help="with --auto: ranks to plan for")
+    g.add_argument("--max-stages", type=int, default=8, metavar="K",
+                   help="with auto planning: most stages to try (default 8)")
+    if run:
+        g.add_argument("--profile", default=None, metavar="PROFILE",
+                       help=f"with --plan auto: machine profile to rank plans on (an "
+                       f"fxpar-calibrate JSON; default the shipped {DEFAULT_PROFILE})")
+
+
+def check_no_layout(a: argparse.Namespace, defaults: dict[str, object]) -> None:
+    """Raise when a layout option was given next to auto planning."""
+    given = [flag for dest, flag in LAYOUT_FLAGS.items()
+             if getattr(a, dest, None) not in (None, defaults.get(dest))]
+    given = [f for f in given if not (f == "--recompute" and a.recompute == "never")]
+    if given:
+        raise AutoUsageError(f"the planner chooses {', '.join(given)}: drop "
+                             f"{'it' if len(given) == 1 else 'them'}, or drop auto planning")
+
+
+def choose(model: nn.Module, shape: tuple[int, ...], world_size: int,
+           a: argparse.Namespace, extra: Plan) -> tuple[Plan, AutoPlan]:
+    """The planner's plan for ``model`` on ``world_size`` ranks with the non-layout fields of
+    ``extra``; and the search's result (for its report)."""
+    found = plan_auto(model, torch.empty(shape, device="meta"), world_size,
+                      a.memory_per_rank, a.profile or DEFAULT_PROFILE,
+                      max_stages=a.max_stages, check=False)
+    plan = dataclasses.replace(found.plan, precision=extra.precision,
+                               channels_last=extra.channels_last,
+                               halo_fusion=extra.halo_fusion,
+                               recompute_segments=extra.recompute_segments,
+                               memory_per_rank=extra.memory_per_rank)
+    return plan, found
