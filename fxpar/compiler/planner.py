@@ -22,6 +22,7 @@ from torch import nn
 
 from fxpar.compiler.planspace import Estimate, ModelTable, analyse, evaluate
 from fxpar.compiler.profile import Profile
+from fxpar.core.geometry import Grid
 from fxpar.core.plan import Plan, PlanError
 from fxpar.core.units import nbytes
 
@@ -66,7 +67,7 @@ class AutoPlan:
                  f"{self.seconds[2]:.2f} s)",
                  f"  {'#':>3}  {'plan':<44} {'step s':>10} {'bubble':>7} {'memory/rank':>12}"]
         for i, e in enumerate(self.ranked[:top], 1):
-            lines.append(f"  {i:>3}  {describe(e.plan):<44} {e.step_s:>10.4f} "
+            lines.append(f"  {i:>3}  {describe(e.plan):<44} {e.step_s:>10.4g} "
                          f"{e.bubble:>7.1%} {nbytes(e.memory):>12}")
         if len(self.ranked) > top:
             lines.append(f"  ... {len(self.ranked) - top} more that fit")
@@ -132,11 +133,10 @@ def slice_of(ndim: int) -> str:
 
 
 def even_grid(parts: int, ndim: int) -> bool:
-    """True when ``parts`` tiles make a grid whose sides differ at most 2x (2 tiles: 1x2);
-    long strips (1x31) cost far more halo than the planner wants to try."""
+    """True for 2 or 3 tiles (strips), and for grids whose sides differ at most 2x: long
+    strips (1x5, 1x31) cost far more halo than the planner wants to try."""
     grid = Plan(spatial_parts=parts, slice=slice_of(ndim)).tile_grid(ndim)  # type: ignore
-    cut = [g for g in grid if g > 1] if parts < 4 else list(grid)
-    return max(cut) <= 2 * min(cut)
+    return parts <= 3 or max(grid) <= 2 * min(grid)
 
 
 def layouts(world_size: int, batch: int, spatial: int, max_stages: int
@@ -226,9 +226,11 @@ def _cost(table: ModelTable, plans: list[Plan], budget: int | None
     for plan in plans:
         e = evaluate(table, plan, exact=False)
         if e is None:
-            kind = "tiles" if plan.spatial else "cuts"
-            why = (f"tiles of a {plan.spatial_parts}-part grid are too small for a window"
-                   if plan.spatial else f"fewer than {plan.stages} places to cut")
+            grid = Grid(*plan.tile_grid(table.ndim)) if plan.spatial else None
+            small = grid is not None and table.prefix(grid) is None
+            kind = "tiles" if small else "cuts"
+            why = (f"tiles of a {grid} grid are too small for a window" if small else
+                   f"fewer than {plan.stages} places to cut where few bytes cross")
             rejected.append(Rejected(plan, kind, why))
             continue
         if budget is not None and e.memory > budget:
@@ -254,7 +256,8 @@ def _checked(model: nn.Module, shape: tuple[int, ...], plan: Plan) -> Plan:
     """``plan`` if it compiles; else the same plan with the compiler's own cuts."""
     from fxpar.compiler.driver import compile as fx_compile
 
-    example = torch.empty(shape, device="meta")
+    dtype = next((p.dtype for p in model.parameters()), torch.float32)
+    example = torch.empty(shape, device="meta", dtype=dtype)
     try:
         fx_compile(model, plan, example)
         return plan

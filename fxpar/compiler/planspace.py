@@ -408,7 +408,8 @@ def evaluate(t: ModelTable, plan: Plan, exact: bool = True) -> Estimate | None:
 
     if exact:
         sim = _simulate(t, plan, st, sync, step, sent, link_s, held)
-        makespan, bubble = sim.makespan, sim.bubble
+        makespan = sim.makespan  # the bubble over every rank: stage j has size[j] of them
+        bubble = 1 - sum(size[j] * sim.busy[j] for j in range(k)) / (layout * makespan)
     else:
         work = [m * sum(st.f[i] + st.b[i] for i in held[j]) for j in range(k)]
         ramp = sum(st.f[j] + st.b[j] + 2 * link_s(j, sent[j]) for j in range(k)) - \

@@ -21,6 +21,7 @@ from transparency import sgd, sub_comm
 
 import fxpar
 from fxpar.cli.run import main as fxpar_run
+from fxpar.compiler.planner import describe
 from fxpar.core.geometry import Rect
 from fxpar.io.data import FolderBatches, ImageFolder
 from fxpar.io.metrics import load_metrics
@@ -252,4 +253,45 @@ def case_cli_resume_from_checkpoint_equals_uninterrupted_and_saves_programs():
         assert list(a) == list(c) and all(torch.equal(a[k], c[k]) for k in a)
         assert sorted(p.name for p in (root / "prog").iterdir()) == [
             "program.json", "rank00000", "rank00001", "rank00002"]
+    _remove(comm, root)
+
+
+def case_cli_plan_auto_chooses_the_planners_plan_and_trains_like_one_process():
+    comm = sub_comm(4)
+    if comm is None:
+        return
+    root = _folder(comm)
+    metrics = root / "auto.json"
+    argv = [f"{HERE}:tiny_net", "--num-classes", "3", "--image-size", str(SIZE),
+            "--batch-size", "4", "--data", str(root), "--epochs", "2", "--dtype", "float64",
+            "--lr", "0.02", "--seed", "3", "--plan", "auto", "--memory-per-rank", "1GiB",
+            "--metrics", str(metrics)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert fxpar_run(argv, comm=comm) == 0
+    text = out.getvalue()
+    if comm.rank != 0:
+        assert text == "", f"rank {comm.rank} printed:\n{text}"
+        _remove(comm, root)
+        return
+    # what the library's planner chooses for the same model, batch, ranks and budget
+    found = fxpar.plan_auto(tiny_net().double(), (4, 3, SIZE, SIZE), 4, 2**30, check=False)
+    assert "plan search: 4 rank(s), memory per rank 1.00 GiB" in text, text
+    chosen = _lines(text, "chosen: ")
+    assert chosen == [f"chosen: {describe(found.plan)}"], (chosen, found.report())
+    plan = fxpar.Plan(**load_metrics(metrics)["plan"])
+    assert plan.world_size == 4
+    assert (plan.stages, plan.spatial_parts, plan.data_parallel, plan.microbatches) == (
+        found.plan.stages, found.plan.spatial_parts, found.plan.data_parallel,
+        found.plan.microbatches), (plan, found.plan)
+    losses = [float(re.search(r"loss (\S+)", s).group(1)) for s in _lines(text, "step ")]
+    assert len(losses) == 2, text
+    torch.manual_seed(3)
+    ref = build_model(f"{HERE}:tiny_net", num_classes=3).double()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.02, momentum=0.9)
+    src = FolderBatches(ImageFolder.scan(root, SIZE, 3), 4, torch.float64, seed=3)
+    for step, got in enumerate(losses):
+        x, y = src.batch(step, Rect((0, SIZE), (0, SIZE)))
+        want = reference_step(ref, opt, x, y, plan.chunks(), F.cross_entropy)
+        assert abs(got - want) <= 1e-6, f"step {step + 1}: printed loss {got} != {want:.6f}"
     _remove(comm, root)
