@@ -1,0 +1,232 @@
+"""Benchmark section ``planner``: the planner's choice against hand plans, and search times.
+
+First this machine is calibrated (``mpiexec -n 2 fxpar-calibrate``, as the costmodel section
+does). Then, for ResNet-50, AmoebaNet-D and U-Net, ``fxpar.plan_auto`` picks a plan for 2 ranks
+on that profile, and the chosen plan runs next to 20 hand plans of the same 2 ranks (DP, SP in
+both directions, LP, PP with 2 to 8 micro-batches and both schedules, GEMS, recompute, halo
+fusion) in one ``mpiexec -n 2`` launch per model and round: 1 warm-up step, then timed steps,
+the slowest rank's median; rounds rotate the order; the table gives the median over rounds and
+the range. The second table times the search itself on the shipped H100 profile for ResNet-101
+and AmoebaNet-D (18, 416) at 16384^2 on 64, 512 and 2,048 ranks (80 GiB each): tracing and
+analysing the model once, the search, and compiling the chosen plan.
+
+Run through ``tools/bench.py --only planner`` or alone: ``python tools/bench_planner.py
+--quick`` prints the Section JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib  # noqa: E402
+from bench_costmodel import MODELS, _build, _data, calibrate  # noqa: E402
+
+TITLE = "Planner: the chosen plan vs hand plans, and search time"
+AIM = 0.05
+HAND = {  # name -> Plan fields, all on 2 ranks
+    "DP2": {"data_parallel": 2},
+    "DP2 recompute": {"data_parallel": 2, "recompute": "always"},
+    "SP2 vertical": {"spatial_parts": 2, "slice": "vertical"},
+    "SP2 horizontal": {"spatial_parts": 2, "slice": "horizontal"},
+    "SP2 fusion all": {"spatial_parts": 2, "halo_fusion": "all"},
+    "SP2 recompute": {"spatial_parts": 2, "recompute": "always"},
+    "LP2": {"stages": 2},
+    "PP2 m2 gpipe": {"stages": 2, "microbatches": 2},
+    "PP2 m2 1f1b": {"stages": 2, "microbatches": 2, "schedule": "1f1b"},
+    "PP2 m4 gpipe": {"stages": 2, "microbatches": 4},
+    "PP2 m4 1f1b": {"stages": 2, "microbatches": 4, "schedule": "1f1b"},
+    "PP2 m8 gpipe": {"stages": 2, "microbatches": 8},
+    "PP2 m8 1f1b": {"stages": 2, "microbatches": 8, "schedule": "1f1b"},
+    "PP2 m4 1f1b recompute": {"stages": 2, "microbatches": 4, "schedule": "1f1b",
+                              "recompute": "always"},
+    "GEMS LP2": {"stages": 2, "gems": True},
+    "GEMS m2": {"stages": 2, "gems": True, "microbatches": 2},
+    "GEMS m2 1f1b": {"stages": 2, "gems": True, "microbatches": 2, "schedule": "1f1b"},
+    "GEMS m4 1f1b": {"stages": 2, "gems": True, "microbatches": 4, "schedule": "1f1b"},
+    "GEMS times 2": {"stages": 2, "gems": True, "gems_times": 2},
+    "PP2 m4 gpipe recompute": {"stages": 2, "microbatches": 4, "recompute": "always"},
+}
+SEARCH = {  # name -> (zoo spec, keyword arguments)
+    "ResNet-101": ("torchvision:resnet101", {"num_classes": 1000}),
+    "AmoebaNet-D (18, 416)": ("models:amoebanet", {"num_classes": 1000, "num_layers": 18,
+                                                  "num_filters": 416}),
+}
+
+
+def add_args(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument("--planner-models", default=",".join(MODELS))
+    parser.add_argument("--planner-image", type=int, default=128)
+    parser.add_argument("--planner-batch", type=int, default=8)
+    parser.add_argument("--planner-steps", type=int, default=3)
+    parser.add_argument("--planner-profile", default="",
+                        help="use this profile instead of calibrating")
+    parser.add_argument("--planner-worlds", default="64,512,2048")
+
+
+def worker(a: argparse.Namespace) -> None:
+    """Train ``--model`` under each plan of ``--plans`` (JSON {name: fields}), in order."""
+    import torch
+
+    import fxpar
+    from fxpar.comm.world import world
+
+    torch.set_num_threads(1)
+    comm = world()
+    plans = json.loads(a.plans)
+    x, y = _data(a.model, a.batch, a.image)
+    out: dict[str, float] = {}
+    for name, fields in plans.items():
+        torch.manual_seed(0)
+        program = fxpar.compile(_build(a.model), fxpar.Plan(**fields),
+                                torch.empty(x.shape, device="meta"),
+                                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))
+        rp = program.local(comm)
+        rp.train_step(x, y)  # warm-up
+        comm.barrier()
+        times = []
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            rp.train_step(x, y)
+            times.append(time.perf_counter() - t0)
+        slowest = comm.allreduce(torch.tensor(times, dtype=torch.float64), op="max")
+        out[name] = float(slowest.median())
+        comm.barrier()
+    if comm.rank == 0:
+        benchlib.emit({"step_s": out})
+
+
+def search_times(worlds: list[int], quick: bool) -> list[list[str]]:
+    """plan_auto's seconds (analysis, search, compiling the choice) on the H100 profile."""
+    import fxpar
+    from fxpar.compiler.planner import describe
+    from fxpar.models.zoo import build_model
+
+    rows = []
+    models = list(SEARCH.items())[:1] if quick else list(SEARCH.items())
+    image = 2048 if quick else 16384
+    for name, (spec, kw) in models:
+        for w in worlds:
+            benchlib.progress("planner", 1, 1, f"search {name} on {w} ranks")
+            found = fxpar.plan_auto(build_model(spec, meta=True, **kw), (8, 3, image, image),
+                                    w, 80 * 2**30)
+            a, s, c = found.seconds
+            rows.append([name, f"{image}^2", str(w), str(found.searched),
+                         str(len(found.ranked)), f"{a:.2f}", f"{s:.2f}", f"{c:.2f}",
+                         describe(found.plan), f"{found.ranked[0].step_s:.3f}"])
+    return rows
+
+
+def run(opts: argparse.Namespace) -> dict[str, Any]:
+    import fxpar
+    from fxpar.compiler.planner import describe
+    from fxpar.compiler.profile import Profile
+
+    q = bool(getattr(opts, "quick", False))
+    models = [m.strip() for m in opts.planner_models.split(",") if m.strip()]
+    hand = dict(HAND)
+    if q:
+        models, hand = models[:1], {k: HAND[k] for k in ("DP2", "SP2 vertical", "LP2")}
+    image, batch = (64, 4) if q else (opts.planner_image, opts.planner_batch)
+    steps = 1 if q else opts.planner_steps
+    if opts.planner_profile:
+        profile = Profile.load(opts.planner_profile)
+    else:
+        path = Path(tempfile.mkdtemp(prefix="fxpar-cal-")) / "this-machine.json"
+        calibrate(opts, path)
+        profile = Profile.load(path)
+    chosen: dict[str, dict[str, Any]] = {}
+    predicted: dict[str, dict[str, float]] = {}
+    for model in models:
+        found = fxpar.plan_auto(_build(model, meta=True), (batch, 3, image, image), 2, None,
+                                profile)
+        fields = {k: v for k, v in found.plan.to_json().items()
+                  if v != fxpar.Plan().to_json()[k]}
+        chosen[model] = {"name": f"planner: {describe(found.plan)}", "fields": fields}
+        predicted[model] = {describe(e.plan): e.step_s for e in found.ranked}
+    measured: dict[tuple[str, str], list[float]] = {}
+    for k in range(opts.rounds):
+        for model in models:
+            plans = {**hand, chosen[model]["name"]: chosen[model]["fields"]}
+            order = dict(benchlib.rotate(list(plans.items()), k))
+            benchlib.progress("planner", k + 1, opts.rounds, f"{model}: {len(order)} plans")
+            args = ["--worker", "--model", model, "--plans", json.dumps(order), "--image",
+                    str(image), "--batch", str(batch), "--steps", str(steps)]
+            rec = benchlib.measure(benchlib.worker_command("bench_planner.py", args, 2),
+                                   benchlib.thread_env(1), retries=opts.retries,
+                                   max_foreign=opts.max_foreign, timeout=opts.timeout)
+            for name, s in rec["step_s"].items():
+                measured.setdefault((model, name), []).append(s)
+    rows, summary, aims = [], [], []
+    for model in models:
+        names = [n for (m, n) in measured if m == model]
+        med = {n: statistics.median(measured[(model, n)]) for n in names}
+        pick = chosen[model]["name"]
+        best_hand = min((n for n in names if n != pick), key=lambda n: med[n])
+        for rank, n in enumerate(sorted(names, key=lambda n: med[n]), 1):
+            rows.append([model, n, str(rank), benchlib.fmt_spread(
+                benchlib.spread(measured[(model, n)]), " s", 3), f"{med[n] / med[best_hand]:.2f}"])
+        ratio = med[pick] / med[best_hand]
+        summary.append([model, pick.removeprefix("planner: "), f"{med[pick]:.3f}", best_hand,
+                        f"{med[best_hand]:.3f}", f"{ratio:.3f}"])
+        aims.append({"what": f"{model}: planner's choice / best of {len(names) - 1} hand plans",
+                     "aim": f"<= {1 + AIM:.2f}", "measured": f"{ratio:.3f}",
+                     "met": ratio <= 1 + AIM, "why": None if ratio <= 1 + AIM else
+                     "the cost model ranks plans with its per-model errors (costmodel section)"})
+    worlds = [int(w) for w in opts.planner_worlds.split(",") if w.strip()]
+    search = search_times(worlds[:1] if q else worlds, q)
+    method = (
+        f"This machine calibrated first (`mpiexec -n 2 fxpar-calibrate`, 1 thread per rank). "
+        f"Models: ResNet-50 (torchvision), AmoebaNet-D (2, 32) and U-Net (base 16, depth 4), "
+        f"batch {batch} at {image}x{image}, float32, SGD with momentum, 2 ranks (this machine's "
+        f"2 cores, 1 thread each). The planner (`fxpar.plan_auto(model, example, 2, None, "
+        f"profile)`) chooses on the calibrated profile; its plan and {len(hand)} hand plans run "
+        f"in one `mpiexec -n 2` launch per model and round after a quiet spell: each plan "
+        f"compiled, 1 warm-up step, {steps} timed steps, the slowest rank's median; "
+        f"{opts.rounds} round(s), rotated order; median over rounds (range in brackets). "
+        f"Search time: `plan_auto` in one process on the shipped h100-nvlink-ib profile, "
+        f"batch 8, 80 GiB per rank; analysis = tracing the model once at one sample; "
+        f"search = enumerating and costing every plan; compile = fxpar.compile of the choice "
+        f"(what --plan auto then runs anyway).")
+    return {
+        "name": "planner", "title": TITLE, "method": method,
+        "tables": [
+            {"title": "Planner's choice vs the best hand plan (2 ranks, measured step s)",
+             "columns": ["model", "planner's choice", "measured s", "best hand plan",
+                         "measured s", "choice / best"], "rows": summary},
+            {"title": "Every plan measured (median step s [range]; vs the best hand plan)",
+             "columns": ["model", "plan", "rank", "step s", "vs best hand"], "rows": rows},
+            {"title": "Search time of plan_auto (H100 profile, batch 8, 80 GiB per rank)",
+             "columns": ["model", "image", "ranks", "plans searched", "plans that fit",
+                         "analysis s", "search s", "compile s", "chosen plan",
+                         "predicted step s"], "rows": search}],
+        "plots": [], "aims": aims, "notes": "",
+        "raw": {"profile": profile.to_json(), "chosen": chosen, "predicted": predicted,
+                "measured": {f"{m}/{n}": v for (m, n), v in measured.items()}},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--worker" in argv:
+        p = argparse.ArgumentParser()
+        p.add_argument("--worker", action="store_true")
+        p.add_argument("--model", required=True)
+        p.add_argument("--plans", required=True)
+        p.add_argument("--image", type=int, default=128)
+        p.add_argument("--batch", type=int, default=8)
+        p.add_argument("--steps", type=int, default=3)
+        worker(p.parse_args(argv))
+        return 0
+    return benchlib.standalone(__doc__.split("\n\n")[0], add_args, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
