@@ -62,6 +62,7 @@ from torch import nn
 
 import fxpar
 from fxpar import Plan, PlanError, TraceError
+from fxpar.cli.auto import AutoUsageError
 from fxpar.cli.inspect import UsageError
 from fxpar.comm import device as fxdevice
 from fxpar.comm import failfast
@@ -540,6 +541,22 @@ CATALOGUE: list[Entry] = [
           "Give the model, --image-size and plan options the run used.",
           lambda: run_inspect(["--from-metrics", "run.json", "--timeline", "t.png",
                                "--profile", "h100-nvlink-ib"])),
+    Entry("cli-auto-world-size", "cli", "fxpar-inspect --auto without the number of ranks",
+          UsageError, r"--auto plans for a number of ranks: add --world-size N",
+          "Add --world-size N (the ranks the job will have).",
+          lambda: run_inspect(["torchvision:resnet18", "--image-size", "64", "--auto"])),
+    Entry("cli-auto-layout", "cli", "auto planning next to an option the planner chooses",
+          AutoUsageError, r"the planner chooses --stages: drop it, or drop auto planning",
+          "Drop the layout options (stages, micro-batches, tiles, GEMS, data parallelism, "
+          "recompute), or drop --plan auto / --auto and give the plan yourself.",
+          lambda: run_inspect(["torchvision:resnet18", "--image-size", "64", "--auto",
+                               "--world-size", "4", "--stages", "2"])),
+    Entry("plan-auto-no-fit", "plan", "no plan of the given ranks fits the memory per rank",
+          PlanError, r"no plan of 4 rank\(s\) fits \(closest: .* needs .* per rank",
+          "Give more ranks or memory per rank, or a smaller batch or image; the message "
+          "names the plan that came closest and what it needs.",
+          lambda: fxpar.plan_auto(zoo.build_model("torchvision:resnet18", meta=True),
+                                  (8, 3, 64, 64), 4, 2**10)),
     Entry("profile-missing", "cli", "a machine profile that is neither a file nor shipped",
           ProfileError, r"no profile file .* and no shipped profile of that name",
           "Give a file fxpar-calibrate --out wrote, or a shipped name the message lists.",

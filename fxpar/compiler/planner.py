@@ -39,6 +39,8 @@ class Rejected:
     plan: Plan
     kind: str
     reason: str
+    need: int = 0
+    """Bytes per rank the plan needs (``kind`` memory)."""
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,7 @@ def plan_auto(model: nn.Module, example: torch.Tensor | tuple[int, ...], world_s
     rejected += more
     if not fits:
         closest = min((r for r in more if r.kind == "memory"), default=None,
-                      key=lambda r: r.reason)
+                      key=lambda r: r.need)
         hint = f" (closest: {describe(closest.plan)}: {closest.reason})" if closest else ""
         raise PlanError(f"no plan of {world_size} rank(s) fits{hint}: give more ranks or "
                         f"memory per rank, or a smaller batch or image")
@@ -238,7 +240,7 @@ def _cost(table: ModelTable, plans: list[Plan], budget: int | None
             if again is None or again.memory > budget:
                 need = again.memory if again is not None else e.memory
                 rejected.append(Rejected(plan, "memory", f"needs {nbytes(need)} per rank "
-                                                         f"(even recomputing)"))
+                                                         f"(even recomputing)", need))
                 continue
             e = again
         fits.append(e)
