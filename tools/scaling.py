@@ -1,6 +1,7 @@
 """Scaling study on paper: ResNet-101 and AmoebaNet-D (18, 416) at 8192^2 and 16384^2 on 8 to
 2,048 H100s, predicted by fxpar's cost model (the shipped ``h100-nvlink-ib`` profile), per plan
-family, next to Hy-Fi's published ratios. Writes ``docs/scaling.md`` and its plots.
+family, next to Hy-Fi's published ratios. Rewrites the generated block of ``docs/scaling.md``
+and its plots.
 
 For every world size w (powers of two up to 2,048) the planner's enumeration
 (``fxpar.compiler.planner.candidates``) is costed in closed form with the memory limit
@@ -50,6 +51,7 @@ FAMILIES: dict[str, Callable[[Plan], bool]] = {
     and p.data_parallel > 1,
     "planner": lambda p: True,
 }
+START, END = "<!-- scaling tables -->", "<!-- end of scaling tables -->"
 SIMULATED = 4
 """Fastest plans per family and world size (closed form) that the timed simulator ranks."""
 
@@ -165,7 +167,8 @@ def plots(results: dict, folder: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "scaling_tables.md")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "scaling.md",
+                   help="the page whose generated block (between the markers) is replaced")
     p.add_argument("--plots", type=Path, default=ROOT / "docs" / "bench")
     a = p.parse_args(argv)
     profile = Profile.load("h100-nvlink-ib")
@@ -173,9 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     results = study(profile, a.quick)
     a.plots.mkdir(parents=True, exist_ok=True)
     files = plots(results, a.plots)
-    text = (f"<!-- written by `python tools/scaling.py` in {time.perf_counter() - t0:.0f} s; "
-            f"do not edit -->\n\n" + tables(results))
-    a.out.write_text(text)
+    block = (f"{START}\n<!-- written by `python tools/scaling.py` in "
+             f"{time.perf_counter() - t0:.0f} s; edit the text around it, not this -->\n\n"
+             f"{tables(results)}\n{END}")
+    old = a.out.read_text() if a.out.exists() else f"# Scaling study on paper\n\n{START}\n{END}\n"
+    if START not in old or END not in old:
+        raise SystemExit(f"{a.out} has no {START} ... {END} block to replace")
+    head, rest = old.split(START, 1)
+    a.out.write_text(head + block + rest.split(END, 1)[1])
     print(f"wrote {a.out} and {', '.join(str(a.plots / f) for f in files)}")
     return 0
 
