@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fxpar.compiler.planner import _cost, candidates, describe  # noqa: E402
+from fxpar.compiler.planner import EXACT, _cost, candidates, describe  # noqa: E402
 from fxpar.compiler.planspace import Estimate, ModelTable, analyse, evaluate  # noqa: E402
 from fxpar.compiler.profile import Profile  # noqa: E402
 from fxpar.core.plan import Plan  # noqa: E402
@@ -60,12 +60,16 @@ def best_per_family(table: ModelTable, world: int) -> dict[str, Estimate]:
     """Each family's fastest plan that fits on exactly ``world`` GPUs."""
     plans, _ = candidates(world, BATCH, 2, 8)
     fits, _ = _cost(table, plans, MEMORY)
+    fits.sort(key=lambda e: e.step_s)
+    tried = {e.plan for e in fits[:EXACT]}  # what plan_auto simulates, and each family's best
+    for member in FAMILIES.values():
+        tried |= {e.plan for e in [e for e in fits if member(e.plan)][:SIMULATED]}
+    exact = [x for p in tried if (x := evaluate(table, p)) is not None]
     out: dict[str, Estimate] = {}
     for name, member in FAMILIES.items():
-        mine = sorted((e for e in fits if member(e.plan)), key=lambda e: e.step_s)
-        exact = [x for e in mine[:SIMULATED] if (x := evaluate(table, e.plan)) is not None]
-        if exact:
-            out[name] = min(exact, key=lambda e: e.step_s)
+        mine = [e for e in exact if member(e.plan)]
+        if mine:
+            out[name] = min(mine, key=lambda e: e.step_s)
     return out
 
 
@@ -145,10 +149,11 @@ def plots(results: dict, folder: Path) -> list[str]:
         fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6),
                                  squeeze=False)
         for ax, ((name, image), best) in zip(axes[0], results.items(), strict=True):
-            for fam in FAMILIES:
+            for i, fam in enumerate(FAMILIES):  # one colour per family on every panel
                 xs = [g for g in best if fam in best[g]]
-                if xs:
-                    ax.plot(xs, [fn(best[g][fam]) for g in xs], marker="o", ms=3, label=fam)
+                ax.plot(xs, [fn(best[g][fam]) for g in xs], marker="o", ms=3, label=fam,
+                        color=f"C{i}", lw=2.5 if fam == "planner" else 1.2,
+                        alpha=0.5 if fam == "planner" else 1.0)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{name}\n{image}x{image}", fontsize=9)

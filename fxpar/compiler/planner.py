@@ -86,23 +86,26 @@ class AutoPlan:
 
 
 def describe(plan: Plan) -> str:
-    """A short name: ``SP4(2x2)x1+PP3 m4 1f1b GEMS DP2 recompute``."""
+    """A short name: ``SP4(2x2)x1+PP3 m4 1f1b GEMS DP2 recompute=always`` (``x1``: spatial
+    stages), ``DP4``, ``1 rank``."""
     parts = []
     if plan.spatial:
-        grid = "x".join(map(str, plan.grid or ())) or plan.slice
+        ndim = len(plan.grid) if plan.grid else 3 if plan.slice in ("slab", "pencil",
+                                                                      "cube") else 2
+        grid = "x".join(map(str, plan.tile_grid(ndim)))
         parts.append(f"SP{plan.spatial_parts}({grid})x{plan.spatial_stages}")
     if plan.stages > 1:
         parts.append(("PP" if plan.microbatches > 1 else "LP") + str(plan.stages))
-    name = "+".join(parts) or "1 stage"
+    words = ["+".join(parts)] if parts else []
     if plan.microbatches > 1:
-        name += f" m{plan.microbatches} {plan.schedule}"
+        words.append(f"m{plan.microbatches} {plan.schedule}")
     if plan.gems:
-        name += " GEMS"
+        words.append("GEMS" if plan.gems_times == 1 else f"GEMS x{plan.gems_times}")
     if plan.data_parallel > 1:
-        name += f" DP{plan.data_parallel}"
+        words.append(f"DP{plan.data_parallel}")
     if plan.recompute != "never":
-        name += f" recompute={plan.recompute}"
-    return name
+        words.append(f"recompute={plan.recompute}")
+    return " ".join(words) or "1 rank"
 
 
 def flags(plan: Plan) -> str:
