@@ -13,7 +13,7 @@ from torch import nn
 
 import fxpar
 from fxpar.compiler.calibrate import communication, compute, fit
-from fxpar.compiler.costmodel import Timing, halo_seconds, stage_seconds, timing
+from fxpar.compiler.costmodel import Timing, halo_seconds, node_times, stage_seconds, timing
 from fxpar.compiler.driver import links_of
 from fxpar.compiler.profile import Link, Profile, ProfileError
 from fxpar.compiler.simulate import simulate
@@ -156,3 +156,25 @@ def test_timing_of_a_pipeline_program_adds_link_costs():
     # each micro-batch's activation crosses once forward and its gradient once back, 2 of
     # each on the critical path at least (first forward, last backward)
     assert slow.makespan - fast.makespan >= 2 * 1e-3
+
+
+def test_pools_cost_their_windows_where_the_profile_measured_them():
+    """A 3x3 max pool (stride 1) on 2x4x8x8: 512 outputs x 9 window elements at pool_rate;
+    its backward scatters the gradient (memory-bound); a 2x2 average pool's backward costs
+    its forward. Without pool_rate both stay memory-bound with the usual 2x backward."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(3, 1, 1),
+                          nn.AvgPool2d(2), nn.Flatten(), nn.Linear(64, 2))
+    program = fxpar.compile(model, fxpar.Plan(), torch.empty(2, 3, 8, 8, device="meta"))
+    nodes = {str(n.target).split(".")[1]: n for n in program.traced.graph.nodes
+             if "pool" in str(n.target)}
+    mx, avg = nodes["max_pool2d"], nodes["avg_pool2d"]
+    prof = _profile(pool_rate=1e6, op_s=1e-6)
+    f, b = node_times(mx, prof, 1.0)
+    assert f == pytest.approx(1e-6 + 512 * 9 / 1e6)
+    out_bytes = 512 * 4
+    assert b == pytest.approx(1e-6 + 2 * out_bytes / prof.mem_bytes)
+    f, b = node_times(avg, prof, 0.5)  # half of it: one tile of two
+    assert f == pytest.approx(1e-6 + 0.5 * 128 * 4 / 1e6) and b == f
+    plain = _profile(op_s=1e-6)
+    f, b = node_times(mx, plain, 1.0)
+    assert f == pytest.approx(1e-6 + 2 * out_bytes / plain.mem_bytes) and b == 2 * f

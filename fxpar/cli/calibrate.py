@@ -29,6 +29,8 @@ def _summary(p: Profile) -> str:
         f"  matrix products  {p.matmul_flops / 1e9:10.2f} GFLOP/s",
         f"  memory           {p.mem_bytes / 1e9:10.2f} GB/s",
         f"  norms            {(p.norm_bytes or p.mem_bytes) / 1e9:10.2f} GB/s",
+        f"  pools            {p.pool_rate / 1e9:10.2f} G window elements/s" if p.pool_rate
+        else "  pools            memory-bound",
         f"  per op           {p.op_s * 1e6:10.2f} us",
         f"  per tile op      {p.tile_op_s * 1e6:10.2f} us (each way)",
         *(link(k) for k in ("p2p_intra", "p2p_inter", "allreduce_intra", "allreduce_inter")),

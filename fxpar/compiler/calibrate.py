@@ -77,15 +77,17 @@ def compute(min_run_time: float = 0.2, quick: bool = False) -> dict[str, Any]:
                     min_run_time)
     one = torch.randn(1)
     t_op = _timed(lambda: torch.relu(one), min_run_time)
+    t_pool = _timed(lambda: F.max_pool2d(act, 3, 1, 1), min_run_time)  # AmoebaNet's pool
     return {
         "conv_flops": statistics.median(c["flops"] / c["seconds"] for c in convs),
         "matmul_flops": mm_flops / t_mm,
         "mem_bytes": 2 * big.numel() * big.element_size() / t_mem,
         "norm_bytes": 2 * act.numel() * act.element_size() / t_norm,
         "dwconv_flops": dw_flops / t_dw,
+        "pool_rate": act.numel() * 9 / t_pool,
         "op_s": t_op,
         "convs": convs, "matmul_s": t_mm, "relu_s": t_mem, "relu_values": big.numel(),
-        "batch_norm_s": t_norm, "batch_norm_shape": list(act.shape),
+        "batch_norm_s": t_norm, "batch_norm_shape": list(act.shape), "max_pool_s": t_pool,
     }
 
 
@@ -187,7 +189,7 @@ def calibrate(comm: Comm | None, name: str, quick: bool = False,
     comp = compute(min_run) if rank == 0 else {}  # quick shortens the timing, not the shapes
     measured["compute"] = {k: v for k, v in comp.items()
                            if k in ("convs", "matmul_s", "relu_s", "relu_values", "batch_norm_s",
-                                     "batch_norm_shape")}
+                                     "batch_norm_shape", "max_pool_s")}
     p2p = allreduce = Link(0.0, 0.0)
     tiles: dict[str, Any] = {}
     per_node = 1
@@ -211,7 +213,7 @@ def calibrate(comm: Comm | None, name: str, quick: bool = False,
         name=name, device="cpu", conv_flops=comp["conv_flops"],
         matmul_flops=comp["matmul_flops"], mem_bytes=comp["mem_bytes"], op_s=comp["op_s"],
         norm_bytes=comp["norm_bytes"], dwconv_flops=comp["dwconv_flops"],
-        tile_op_s=tiles["tile_op_s"] if tiles else 0.0,
+        pool_rate=comp["pool_rate"], tile_op_s=tiles["tile_op_s"] if tiles else 0.0,
         p2p_intra=p2p, p2p_inter=p2p, allreduce_intra=allreduce, allreduce_inter=allreduce,
         ranks_per_node=ranks_per_node or max(per_node, slots), cores_per_rank=threads,
         slots_per_node=slots, measured=measured)

@@ -3,13 +3,12 @@ simulator (``simulate(..., timing=...)``) runs the per-rank action lists on.
 
 Compute: each node of the analysed graph costs ``op_s`` plus the larger of its FLOPs at the
 profile's rate for its kind (dense and grouped convolutions, matrix products; torch's
-FlopCounter counted them)
-and the bytes it moves at ``mem_bytes`` (``norm_bytes`` for norms; it reads about as much as it
-writes: twice its output),
-for one chunk (the compiler analyses the graph at one chunk of the batch) and, in a spatial
-stage, one tile (1/P of a tiled node). A backward costs ``BACKWARD`` times its forward. Ranks
-beyond a node's slots share them (``Profile.slowdown``: 4 ranks on 2 cores compute at half
-speed).
+FlopCounter counted them; pools: the elements their windows read, at ``pool_rate`` where the
+profile measured it) and the bytes it moves at ``mem_bytes`` (``norm_bytes`` for norms; it
+reads about as much as it writes: twice its output), for one chunk (the compiler analyses the
+graph at one chunk of the batch) and, in a spatial stage, one tile (1/P of a tiled node). A
+backward costs ``BACKWARD`` times its forward (pools: see ``node_times``). Ranks beyond a
+node's slots share them (``Profile.slowdown``: 4 ranks on 2 cores compute at half speed).
 
 Communication: a spatial stage's halo exchanges (every windowed node of the region, the
 messages and bytes of the tile with the most neighbours, ``exchange`` geometry) and its norm
@@ -50,6 +49,9 @@ BACKWARD = 2.0
 CONV = ("convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
         "conv_transpose3d")
 MATMUL = ("linear", "addmm", "mm", "bmm", "matmul")
+MAX_POOL = ("max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices",
+            "max_pool2d_with_indices", "max_pool3d_with_indices")
+AVG_POOL = ("avg_pool1d", "avg_pool2d", "avg_pool3d")
 OPTIMIZER_PASSES = 4
 """STEP reads and writes about this many parameter-sized tensors per parameter (SGD with
 momentum: parameter, gradient, momentum buffer, written parameter and buffer)."""
@@ -72,15 +74,47 @@ def node_seconds(n: fx.Node, profile: Profile, share: float, norm: bool = False)
     c = meta.find(n, NodeCost)
     if c is None:
         return 0.0
-    name = getattr(getattr(n.target, "overloadpacket", None), "__name__", "")
+    name = _name(n)
     rate = profile.conv_flops if name in CONV else profile.matmul_flops if name in MATMUL \
         else None
     if name in CONV and profile.dwconv_flops and _groups(n) > 1:
         rate = profile.dwconv_flops
     compute = c.flops * share / rate if rate and c.flops else 0.0
+    if profile.pool_rate and name in (*MAX_POOL, *AVG_POOL):
+        compute = _window_elements(n) * share / profile.pool_rate
     bandwidth = (profile.norm_bytes or profile.mem_bytes) if norm else profile.mem_bytes
     memory = 2 * c.out_bytes * share / bandwidth
     return profile.op_s + max(compute, memory)
+
+
+def node_times(n: fx.Node, profile: Profile, share: float, norm: bool = False
+               ) -> tuple[float, float]:
+    """Forward and backward seconds of node ``n`` (see :func:`node_seconds`). A backward costs
+    ``BACKWARD`` times the forward, but where the profile measured pools: a max pool's backward
+    scatters the gradient to the winners (memory-bound), an average pool's spreads it over the
+    windows (as its forward)."""
+    f = node_seconds(n, profile, share, norm)
+    name = _name(n)
+    c = meta.find(n, NodeCost)
+    if not profile.pool_rate or c is None or name not in (*MAX_POOL, *AVG_POOL):
+        return f, BACKWARD * f
+    if name in AVG_POOL:
+        return f, f
+    return f, profile.op_s + 2 * c.out_bytes * share / profile.mem_bytes
+
+
+def _name(n: fx.Node) -> str:
+    return getattr(getattr(n.target, "overloadpacket", None), "__name__", "")
+
+
+def _window_elements(n: fx.Node) -> int:
+    """Output elements x kernel size of a pool node: the elements its windows read."""
+    info = meta.get(n, TensorInfo)
+    kernel = n.args[1] if len(n.args) > 1 else n.kwargs.get("kernel_size", 1)
+    dims = len(info.shapes[0]) - 2
+    k = list(kernel) if isinstance(kernel, (list, tuple)) else [kernel] * dims
+    k = k * dims if len(k) == 1 else k
+    return math.prod(info.shapes[0]) * math.prod(int(v) for v in k)
 
 
 def _groups(n: fx.Node) -> int:
@@ -167,6 +201,7 @@ def stage_seconds(program: Program, profile: Profile) -> dict[int, StageSeconds]
     grid = image_grid(gm) if spatial else None
     tile = _middle_tile(grid) if grid is not None else 0
     comp = {s: 0.0 for s in range(plan.stages)}
+    back = {s: 0.0 for s in range(plan.stages)}
     comm = {s: 0.0 for s in range(plan.stages)}
     for n in compute_nodes(gm):
         s = meta.get(n, StageAssignment).stage
@@ -174,7 +209,9 @@ def stage_seconds(program: Program, profile: Profile) -> dict[int, StageSeconds]
         tiled = lay is not None and lay.tiled and plan.group_size(s) > 1
         share = 1.0 / (plan.group_size(s) if tiled else 1)
         norm = isinstance(classify(gm, n), (BatchNorm, Norm))
-        comp[s] += node_seconds(n, profile, share, norm)
+        f, b = node_times(n, profile, share, norm)
+        comp[s] += f
+        back[s] += b
         if tiled and grid is not None:
             halo = halo_seconds(gm, n, grid, tile, profile)
             comm[s] += halo + (profile.tile_op_s if halo or norm else 0.0)
@@ -182,7 +219,7 @@ def stage_seconds(program: Program, profile: Profile) -> dict[int, StageSeconds]
                 link = profile.allreduce_intra
                 comm[s] += math.ceil(math.log2(grid.size)) * link.alpha
     slow = profile.slowdown(program.world_size)
-    return {s: StageSeconds(slow * comp[s] + comm[s], slow * BACKWARD * comp[s] + comm[s],
+    return {s: StageSeconds(slow * comp[s] + comm[s], slow * back[s] + comm[s],
                             comm[s], comm[s])
             for s in range(plan.stages)}
 

@@ -36,13 +36,12 @@ import torch
 from torch import fx, nn
 
 from fxpar.compiler.costmodel import (
-    BACKWARD,
     OPTIMIZER_PASSES,
     Timing,
     _components,
     _middle_tile,
     halo_messages,
-    node_seconds,
+    node_times,
 )
 from fxpar.compiler.passdriver import run_passes
 from fxpar.compiler.profile import Profile
@@ -88,6 +87,9 @@ class ModelTable:
     profile: Profile
     fixed: list[float]
     work: list[float]
+    fixed_b: list[float]
+    work_b: list[float]
+    """The backward's fixed and per-sample seconds (``costmodel.node_times``)."""
     tiled: list[bool]
     norm: list[bool]
     saved: list[int]
@@ -136,13 +138,16 @@ def analyse(model: nn.Module, shape: tuple[int, ...], profile: Profile) -> Model
     gm = run_passes(gm, two, [("precision", precision), ("spatial_region", spatial_region)],
                     first=None)
     order = compute_nodes(gm)
-    fixed, work, tiled, norm, saved = [], [], [], [], []
+    fixed, work, fixed_b, work_b, tiled, norm, saved = [], [], [], [], [], [], []
     for n in order:
         c = meta.find(n, NodeCost)
         is_norm = isinstance(classify(gm, n), (BatchNorm, Norm))
-        full = node_seconds(n, profile, 1.0, is_norm)
-        fixed.append(profile.op_s if c is not None else 0.0)
-        work.append(full - fixed[-1])
+        f0, b0 = node_times(n, profile, 0.0, is_norm)  # linear in the share: fixed + work
+        f1, b1 = node_times(n, profile, 1.0, is_norm)
+        fixed.append(f0)
+        work.append(f1 - f0)
+        fixed_b.append(b0)
+        work_b.append(b1 - b0)
         lay = meta.find(n, SpatialLayout)
         tiled.append(bool(lay is not None and lay.tiled and two.spatial))
         norm.append(is_norm)
@@ -156,8 +161,8 @@ def analyse(model: nn.Module, shape: tuple[int, ...], profile: Profile) -> Model
             if isinstance(t, torch.Tensor):
                 params[first] += t.numel() * t.element_size()
     traffic = cut_traffic(gm, order)
-    return ModelTable(gm, tuple(shape), profile, fixed, work, tiled, norm, saved, params,
-                      traffic, cut_positions(traffic))
+    return ModelTable(gm, tuple(shape), profile, fixed, work, fixed_b, work_b, tiled, norm,
+                      saved, params, traffic, cut_positions(traffic))
 
 
 def cut_positions(traffic: list[int]) -> list[int]:
@@ -229,9 +234,11 @@ class _Sums:
 
         self.parts = parts
         flags = halos.tiled if halos is not None else t.tiled
-        self.fixed = pre(t.fixed)
-        self.tiled = pre([w if tl else 0.0 for w, tl in zip(t.work, flags, strict=True)])
-        self.whole = pre([0.0 if tl else w for w, tl in zip(t.work, flags, strict=True)])
+        self.fixed = (pre(t.fixed), pre(t.fixed_b))  # (forward, backward)
+        self.tiled = tuple(pre([w if tl else 0.0 for w, tl in zip(ws, flags, strict=True)])
+                           for ws in (t.work, t.work_b))
+        self.whole = tuple(pre([0.0 if tl else w for w, tl in zip(ws, flags, strict=True)])
+                           for ws in (t.work, t.work_b))
         self.saved_t = pre([s if tl else 0 for s, tl in zip(t.saved, flags, strict=True)])
         self.saved_w = pre([0 if tl else s for s, tl in zip(t.saved, flags, strict=True)])
         n = t.size
@@ -240,12 +247,12 @@ class _Sums:
         self.hrecv = pre(halos.received if halos else [0] * n)
         self.params = pre(t.params)
 
-    def compute(self, a: int, b: int, mb: int, spatial: bool) -> float:
-        if spatial:
-            return (self.fixed[b] - self.fixed[a]) + mb * (
-                (self.tiled[b] - self.tiled[a]) / self.parts + self.whole[b] - self.whole[a])
-        return (self.fixed[b] - self.fixed[a]) + mb * (self.tiled[b] - self.tiled[a]
-                                                       + self.whole[b] - self.whole[a])
+    def compute(self, a: int, b: int, mb: int, spatial: bool, back: bool = False) -> float:
+        """Seconds of nodes [a, b) for ``mb`` samples, forward (or ``back``ward)."""
+        fixed, tiled, whole = (c[int(back)] for c in (self.fixed, self.tiled, self.whole))
+        parts = self.parts if spatial else 1
+        return (fixed[b] - fixed[a]) + mb * ((tiled[b] - tiled[a]) / parts
+                                             + whole[b] - whole[a])
 
     def comm(self, a: int, b: int, mb: int, beta: float) -> float:
         return (self.hfix[b] - self.hfix[a]) + mb * beta * (self.hbig[b] - self.hbig[a])
@@ -281,7 +288,7 @@ def _cuts(t: ModelTable, k: int, s: int, grid: Grid | None, mb: int) -> tuple[in
 
     def cost(j: int, a: int, b: int) -> float:
         sp = grid is not None and j < s
-        c = (1 + BACKWARD) * sums.compute(pos[a], pos[b], mb, sp)
+        c = sums.compute(pos[a], pos[b], mb, sp) + sums.compute(pos[a], pos[b], mb, sp, True)
         return c + (2 * sums.comm(pos[a], pos[b], mb, beta) if sp else 0.0)
 
     def reach(limit: float) -> list[int] | None:
@@ -350,10 +357,9 @@ def stages_of(t: ModelTable, plan: Plan, mb: int, grid: Grid | None,
     for j in range(plan.stages):
         lo, hi = bounds[j], bounds[j + 1]
         sp = j < s
-        comp = slow * sums.compute(lo, hi, mb, sp)
         comm = sums.comm(lo, hi, mb, beta) if sp else 0.0
-        f.append(comp + comm)
-        b.append(BACKWARD * comp + comm)
+        f.append(slow * sums.compute(lo, hi, mb, sp) + comm)
+        b.append(slow * sums.compute(lo, hi, mb, sp, True) + comm)
         act.append(sums.act(lo, hi, mb, sp))
     return Stages(tuple(bounds), tuple(f), tuple(b), tuple(act))
 

@@ -70,6 +70,10 @@ class Profile:
     norm_bytes: float = 0.0
     """Bytes/s of BatchNorm / group norm in training (statistics, then the normalisation: more
     passes per byte than a pointwise op); 0: ``mem_bytes``."""
+    pool_rate: float = 0.0
+    """Window elements per second of a max / average pool's forward (output elements x kernel
+    size): on CPUs far slower than the pool's bytes say; 0: memory-bound like a pointwise
+    op."""
     ranks_per_node: int = 1
     """Ranks placed on one node (rank r sits on node r // ranks_per_node)."""
     cores_per_rank: int = 1
@@ -119,10 +123,11 @@ class Profile:
                 raise ProfileError(f"{where}: {k} must be [alpha seconds, beta seconds per "
                                    f"byte], both >= 0, got {v!r}")
             kw[k] = Link(float(v[0]), float(v[1]))
-        for k in (*rates, *(f for f in ("norm_bytes", "tile_op_s", "dwconv_flops") if f in kw)):
+        optional = ("norm_bytes", "tile_op_s", "dwconv_flops", "pool_rate")
+        for k in (*rates, *(f for f in optional if f in kw)):
             v = kw[k]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or \
-                    (v == 0 and k not in ("op_s", "norm_bytes", "tile_op_s", "dwconv_flops")):
+                    (v == 0 and k not in ("op_s", *optional)):
                 raise ProfileError(f"{where}: {k} must be a positive number, got {v!r}")
         kw["sources"] = tuple(kw.get("sources", ()))
         known = set(cls.__dataclass_fields__)
