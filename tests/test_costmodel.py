@@ -156,3 +156,11 @@ def test_timing_of_a_pipeline_program_adds_link_costs():
     # each micro-batch's activation crosses once forward and its gradient once back, 2 of
     # each on the critical path at least (first forward, last backward)
     assert slow.makespan - fast.makespan >= 2 * 1e-3
+
+
+def test_conv_rate_takes_the_nearest_measured_shape():
+    p = _profile(conv_grid=((16, 1, 1e9), (16, 3, 2e9), (256, 1, 3e9), (256, 3, 4e9)))
+    assert p.conv_rate(24, 3) == 2e9 and p.conv_rate(100, 3) == 4e9  # log scale: 64 is nearer
+    assert p.conv_rate(512, 1) == 3e9 and p.conv_rate(3, 7) == 2e9
+    assert _profile().conv_rate(64, 3) == 1e10  # no grid: the one rate
+    assert Profile.from_json(p.to_json()) == p
