@@ -178,3 +178,11 @@ def test_pools_cost_their_windows_where_the_profile_measured_them():
     plain = _profile(op_s=1e-6)
     f, b = node_times(mx, plain, 1.0)
     assert f == pytest.approx(1e-6 + 2 * out_bytes / plain.mem_bytes) and b == 2 * f
+
+
+def test_conv_rate_takes_the_nearest_measured_shape():
+    p = _profile(conv_grid=((16, 1, 1e9), (16, 3, 2e9), (256, 1, 3e9), (256, 3, 4e9)))
+    assert p.conv_rate(24, 3) == 2e9 and p.conv_rate(100, 3) == 4e9  # log scale: 64 is nearer
+    assert p.conv_rate(512, 1) == 3e9 and p.conv_rate(3, 7) == 2e9
+    assert _profile().conv_rate(64, 3) == 1e10  # no grid: the one rate
+    assert Profile.from_json(p.to_json()) == p

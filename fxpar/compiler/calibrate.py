@@ -32,6 +32,8 @@ from fxpar.compiler.profile import Link, Profile
 
 CONV_SHAPES = ((1, 64, 64, 128), (1, 128, 128, 64), (1, 32, 32, 256))
 """(batch, in channels, out channels, side) of the timed 3x3 convolutions."""
+GRID_CHANNELS = (16, 32, 64, 128, 256, 512)
+"""Channel counts of the convolution rate grid (1x1 and 3x3 each, batch 4 at 32x32)."""
 SIZES = (8, 1024, 65536, 1 << 20, 4 << 20)
 """Message bytes of the ping-pong and allreduce."""
 
@@ -62,6 +64,14 @@ def compute(min_run_time: float = 0.2, quick: bool = False) -> dict[str, Any]:
         t = _timed(conv, min_run_time)
         flops = 2 * n * cout * side * side * cin * 9  # multiply-add = 2, as FlopCounterMode
         convs.append({"shape": [n, cin, cout, side], "seconds": t, "flops": flops})
+    grid = []
+    for c in GRID_CHANNELS:
+        for k in (1, 3):
+            side = 8 if quick else 32
+            xg, wg = torch.randn(4, c, side, side), torch.randn(c, c, k, k)
+            tg = _timed(lambda xg=xg, wg=wg, k=k: F.conv2d(xg, wg, padding=k // 2),
+                        min_run_time / 4)
+            grid.append((c, k, 2 * 4 * c * side * side * c * k * k / tg))
     act = torch.randn(8 if not quick else 2, 64, 64 if not quick else 16, 64)
     dw = torch.randn(64, 1, 3, 3)
     t_dw = _timed(lambda: F.conv2d(act, dw, padding=1, groups=64), min_run_time)
@@ -85,6 +95,7 @@ def compute(min_run_time: float = 0.2, quick: bool = False) -> dict[str, Any]:
         "norm_bytes": 2 * act.numel() * act.element_size() / t_norm,
         "dwconv_flops": dw_flops / t_dw,
         "pool_rate": act.numel() * 9 / t_pool,
+        "conv_grid": grid,
         "op_s": t_op,
         "convs": convs, "matmul_s": t_mm, "relu_s": t_mem, "relu_values": big.numel(),
         "batch_norm_s": t_norm, "batch_norm_shape": list(act.shape), "max_pool_s": t_pool,
@@ -213,7 +224,8 @@ def calibrate(comm: Comm | None, name: str, quick: bool = False,
         name=name, device="cpu", conv_flops=comp["conv_flops"],
         matmul_flops=comp["matmul_flops"], mem_bytes=comp["mem_bytes"], op_s=comp["op_s"],
         norm_bytes=comp["norm_bytes"], dwconv_flops=comp["dwconv_flops"],
-        pool_rate=comp["pool_rate"], tile_op_s=tiles["tile_op_s"] if tiles else 0.0,
+        pool_rate=comp["pool_rate"], conv_grid=tuple(comp["conv_grid"]),
+        tile_op_s=tiles["tile_op_s"] if tiles else 0.0,
         p2p_intra=p2p, p2p_inter=p2p, allreduce_intra=allreduce, allreduce_inter=allreduce,
         ranks_per_node=ranks_per_node or max(per_node, slots), cores_per_rank=threads,
         slots_per_node=slots, measured=measured)

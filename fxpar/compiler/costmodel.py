@@ -77,8 +77,14 @@ def node_seconds(n: fx.Node, profile: Profile, share: float, norm: bool = False)
     name = _name(n)
     rate = profile.conv_flops if name in CONV else profile.matmul_flops if name in MATMUL \
         else None
-    if name in CONV and profile.dwconv_flops and _groups(n) > 1:
-        rate = profile.dwconv_flops
+    if name in CONV:
+        groups = _groups(n)
+        w = n.args[1] if len(n.args) > 1 else None
+        info = meta.find(w, TensorInfo) if isinstance(w, fx.Node) else None
+        if groups > 1 and profile.dwconv_flops:
+            rate = profile.dwconv_flops
+        elif info is not None and len(info.shape) >= 3:
+            rate = profile.conv_rate(int(info.shape[1]), int(max(info.shape[2:])))
     compute = c.flops * share / rate if rate and c.flops else 0.0
     if profile.pool_rate and name in (*MAX_POOL, *AVG_POOL):
         compute = _window_elements(n) * share / profile.pool_rate

@@ -60,6 +60,10 @@ class Profile:
     """One step of a ring allreduce between ranks of one node (alpha per step, beta per byte
     sent in it)."""
     allreduce_inter: Link
+    conv_grid: tuple[tuple[int, int, float], ...] = ()
+    """Dense convolutions' FLOP/s by shape: ``(channels, kernel, FLOP/s)`` measured with as
+    many output as input channels; a layer takes the rate of the nearest channel count (log
+    scale) with its kernel (1 or larger). Empty: ``conv_flops`` for every layer."""
     dwconv_flops: float = 0.0
     """FLOP/s of grouped (depthwise) convolutions, far below dense ones on CPUs; 0:
     ``conv_flops``."""
@@ -87,6 +91,17 @@ class Profile:
     notes: str = ""
     """What was assumed rather than measured or published."""
 
+    def conv_rate(self, channels: int, kernel: int) -> float:
+        """FLOP/s of a dense convolution with ``channels`` input channels (per group) and a
+        ``kernel``-wide window (:attr:`conv_grid`, else ``conv_flops``)."""
+        if not self.conv_grid:
+            return self.conv_flops
+        import math
+
+        wide = kernel > 1
+        same = [g for g in self.conv_grid if (g[1] > 1) == wide] or list(self.conv_grid)
+        return min(same, key=lambda g: abs(math.log(g[0]) - math.log(max(channels, 1))))[2]
+
     def slowdown(self, world_size: int) -> float:
         """How much slower each rank computes when ``world_size`` ranks are placed
         (oversubscribed nodes share their slots)."""
@@ -105,6 +120,7 @@ class Profile:
         for k in ("p2p_intra", "p2p_inter", "allreduce_intra", "allreduce_inter"):
             out[k] = [out[k]["alpha"], out[k]["beta"]]
         out["sources"] = list(self.sources)
+        out["conv_grid"] = [list(g) for g in self.conv_grid]
         return out
 
     @classmethod
@@ -130,6 +146,7 @@ class Profile:
                     (v == 0 and k not in ("op_s", *optional)):
                 raise ProfileError(f"{where}: {k} must be a positive number, got {v!r}")
         kw["sources"] = tuple(kw.get("sources", ()))
+        kw["conv_grid"] = tuple((int(c), int(k), float(r)) for c, k, r in kw.get("conv_grid", ()))
         known = set(cls.__dataclass_fields__)
         extra = sorted(set(kw) - known)
         if extra:
