@@ -140,6 +140,11 @@ def test_halo_seconds_of_one_convolution_on_two_tiles():
     assert halo_seconds(gm, convs[1], grid, 0, prof) == pytest.approx(want)
     sp = stage_seconds(program, prof)[0]
     assert sp.comm_f == pytest.approx(want) and sp.comm_b == pytest.approx(want)
+    # the runtime's cost of that tile op: fixed, plus the tile's bytes (4 x 16 x 8 cells x 4 B)
+    ops = _profile(tile_op_s=1e-4, tile_op_bytes=1e8)
+    tile = 4 * 16 * 8 * 4
+    sp = stage_seconds(program, ops)[0]
+    assert sp.comm_f == pytest.approx(want + 1e-4 + tile / 1e8)
 
 
 def test_timing_of_a_pipeline_program_adds_link_costs():

@@ -33,7 +33,8 @@ def profile() -> Profile:
     p = Profile.load("h100-nvlink-ib")
     return dataclasses.replace(p, name="test", conv_flops=5e10, matmul_flops=6e10,
                                dwconv_flops=2e9, mem_bytes=1.5e10, norm_bytes=4e9, op_s=2e-6,
-                               tile_op_s=3e-4, ranks_per_node=4, slots_per_node=2)
+                               tile_op_s=3e-4, tile_op_bytes=5e9, pool_rate=3e8,
+                               ranks_per_node=4, slots_per_node=2)
 
 
 @pytest.fixture(scope="module")

@@ -149,44 +149,61 @@ def communication(comm: Comm, repeats: int = 20) -> dict[str, Any]:
 
 TILE_LAYERS = 8
 """Convolution + BatchNorm + ReLU blocks of the model that measures the cost of a tile op."""
+TILE_SIZES = ((2, 8, 16), (4, 32, 64))
+"""(batch, channels, side) of its two inputs: a tiny one (the fixed cost) and one of 2 MiB
+(how the cost grows with the tile)."""
 
 
 def tile_ops(comm: Comm, repeats: int) -> dict[str, Any]:
-    """What one tile op of a spatial stage costs in fxpar's own runtime: a tiny model of
-    ``TILE_LAYERS`` 3x3 convolution + BatchNorm + ReLU blocks (2 tile ops each, both ways) on
-    a 2x8x16x16 image, its step timed on ranks 0 and 1 as ``Plan(spatial_parts=2)`` and on each
-    alone as ``Plan()``; per tile op, (SP step - one rank's step / 2) / (4 x blocks). Every rank
-    of ``comm`` takes part (the others wait)."""
+    """What one tile op of a spatial stage costs in fxpar's own runtime: a model of
+    ``TILE_LAYERS`` 3x3 convolution + BatchNorm + ReLU blocks (2 tile ops each, both ways), its
+    step timed on ranks 0 and 1 as ``Plan(spatial_parts=2)`` and on each alone as ``Plan()``;
+    per tile op, (SP step - one rank's step / 2) / (4 x blocks), at the two ``TILE_SIZES``:
+    ``tile_op_s`` the small one's cost, ``tile_op_bytes`` the bytes/s of the growth between
+    them. Every rank of ``comm`` takes part (the others wait)."""
     from torch import nn
 
     from fxpar.compiler.driver import compile as fx_compile
     from fxpar.core.plan import Plan
 
-    torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
-              for _ in range(TILE_LAYERS)]
-    model = nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
-    x, y = torch.randn(2, 8, 16, 16), torch.tensor([0, 1])
-    meta = torch.empty(x.shape, device="meta")
-
-    def step_time(plan: Plan, group: Comm) -> float:
-        rp = fx_compile(model, plan, meta).local(group)
-        rp.train_step(x, y)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            rp.train_step(x, y)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
     pair = comm.split(0 if comm.rank < 2 else 1)
     alone = comm.split(comm.rank)
-    one = step_time(Plan(), alone)
-    comm.barrier()
-    sp = step_time(Plan(spatial_parts=2), pair) if comm.rank < 2 else 0.0
-    comm.barrier()
-    per_op = max(sp - one / 2, 0.0) / (4 * TILE_LAYERS)
-    return {"tile_op_s": per_op, "sp2_step_s": sp, "one_rank_step_s": one}
+    out: dict[str, Any] = {"sizes": []}
+    for batch, channels, side in TILE_SIZES:
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1),
+                                nn.BatchNorm2d(channels), nn.ReLU())
+                  for _ in range(TILE_LAYERS)]
+        model = nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                              nn.Linear(channels, 2))
+        x = torch.randn(batch, channels, side, side)
+        y = torch.arange(batch) % 2
+        meta = torch.empty(x.shape, device="meta")
+
+        def step_time(plan: Plan, group: Comm, model: nn.Module = model,
+                      x: torch.Tensor = x, y: torch.Tensor = y,
+                      meta: torch.Tensor = meta) -> float:
+            rp = fx_compile(model, plan, meta).local(group)
+            rp.train_step(x, y)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                rp.train_step(x, y)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+
+        one = step_time(Plan(), alone)
+        comm.barrier()
+        sp = step_time(Plan(spatial_parts=2), pair) if comm.rank < 2 else 0.0
+        comm.barrier()
+        out["sizes"].append({"shape": [batch, channels, side, side], "sp2_step_s": sp,
+                             "one_rank_step_s": one, "tile_bytes": x.numel() * 4 // 2,
+                             "per_op_s": max(sp - one / 2, 0.0) / (4 * TILE_LAYERS)})
+    small, large = out["sizes"][0], out["sizes"][-1]
+    grow = (large["per_op_s"] - small["per_op_s"]) / (large["tile_bytes"] - small["tile_bytes"])
+    out["tile_op_s"] = small["per_op_s"]
+    out["tile_op_bytes"] = 1 / grow if grow > 0 else 0.0
+    return out
 
 
 def calibrate(comm: Comm | None, name: str, quick: bool = False,
@@ -226,6 +243,7 @@ def calibrate(comm: Comm | None, name: str, quick: bool = False,
         norm_bytes=comp["norm_bytes"], dwconv_flops=comp["dwconv_flops"],
         pool_rate=comp["pool_rate"], conv_grid=tuple(comp["conv_grid"]),
         tile_op_s=tiles["tile_op_s"] if tiles else 0.0,
+        tile_op_bytes=tiles["tile_op_bytes"] if tiles else 0.0,
         p2p_intra=p2p, p2p_inter=p2p, allreduce_intra=allreduce, allreduce_inter=allreduce,
         ranks_per_node=ranks_per_node or max(per_node, slots), cores_per_rank=threads,
         slots_per_node=slots, measured=measured)

@@ -12,8 +12,9 @@ node's slots share them (``Profile.slowdown``: 4 ranks on 2 cores compute at hal
 
 Communication: a spatial stage's halo exchanges (every windowed node of the region, the
 messages and bytes of the tile with the most neighbours, ``exchange`` geometry) and its norm
-statistics (one allgather per BatchNorm / GroupNorm), each with the runtime's fixed cost of a
-tile op (``tile_op_s``), add to its F and B; a pipeline message
+statistics (one allgather per BatchNorm / GroupNorm), each with the runtime's cost of a tile
+op (``Profile.tile_op``: fixed, plus the tile's bytes at ``tile_op_bytes``; CPU work, so
+slowed down like compute on a shared core), add to its F and B; a pipeline message
 costs ``alpha + beta * bytes`` on the link between the two ranks; ALLREDUCE is a ring over the
 ranks holding the same stages, 2 (g - 1) steps of ``bytes / g``; STEP reads and writes the
 parameters, gradients and optimizer state once (memory-bound).
@@ -107,6 +108,15 @@ def node_times(n: fx.Node, profile: Profile, share: float, norm: bool = False
     if name in AVG_POOL:
         return f, f
     return f, profile.op_s + 2 * c.out_bytes * share / profile.mem_bytes
+
+
+def _tile_bytes(n: fx.Node, share: float) -> float:
+    """Bytes of the tile a tile op of node ``n`` works on: its input's share (a norm: its
+    output's)."""
+    x = n.args[0]
+    src = x if isinstance(x, fx.Node) and meta.find(x, TensorInfo) is not None else n
+    info = meta.get(src, TensorInfo)
+    return info.cell_bytes * math.prod(info.shapes[0][2:]) * share
 
 
 def _name(n: fx.Node) -> str:
@@ -220,7 +230,9 @@ def stage_seconds(program: Program, profile: Profile) -> dict[int, StageSeconds]
         back[s] += b
         if tiled and grid is not None:
             halo = halo_seconds(gm, n, grid, tile, profile)
-            comm[s] += halo + (profile.tile_op_s if halo or norm else 0.0)
+            if halo or norm:  # the runtime's work: at the rank's (shared) core speed
+                comm[s] += halo + profile.slowdown(program.world_size) * profile.tile_op(
+                    _tile_bytes(n, share))
             if norm:
                 link = profile.allreduce_intra
                 comm[s] += math.ceil(math.log2(grid.size)) * link.alpha

@@ -40,6 +40,7 @@ from fxpar.compiler.costmodel import (
     Timing,
     _components,
     _middle_tile,
+    _tile_bytes,
     halo_messages,
     node_times,
 )
@@ -75,6 +76,10 @@ class Halos:
     tiled: tuple[bool, ...]
     """Tiled on this grid: the analysis' region, ended at the first output too small to give
     every tile a cell (the rest is replicated, as the spatial region pass does)."""
+    ops: tuple[float, ...]
+    """The runtime's fixed seconds of the node's tile op (``Profile.tile_op`` of no bytes)."""
+    op_per_sample: tuple[float, ...]
+    """... and its seconds per sample of the tile (slowed down like compute)."""
 
 
 @dataclass
@@ -186,6 +191,8 @@ def _halos(t: ModelTable, grid: Grid) -> Halos | None:
     tile = _middle_tile(grid)
     p2p, ar = t.profile.p2p_intra, t.profile.allreduce_intra
     fixed, largest, received, flags = [], [], [], []
+    ops: list[float] = []
+    per_sample: list[float] = []
     ended = False
     for n, tiled, norm in zip(compute_nodes(t.gm), t.tiled, t.norm, strict=True):
         info = meta.find(n, TensorInfo)
@@ -203,14 +210,19 @@ def _halos(t: ModelTable, grid: Grid) -> Halos | None:
             if count and isinstance(x, fx.Node):  # a Halo keeps its whole window
                 info = meta.get(x, TensorInfo)
                 recv += info.cell_bytes * math.prod(info.shape[2:]) // grid.size
-        f = count * p2p.alpha + (t.profile.tile_op_s if count or (tiled and norm) else 0.0)
+        f = count * p2p.alpha
+        op = bool(count or (tiled and norm))  # a tile op: the runtime's work, per sample
+        ops.append(t.profile.tile_op(0.0) if op else 0.0)
+        per_sample.append(t.profile.tile_op(_tile_bytes(n, 1.0 / grid.size)) - ops[-1]
+                          if op else 0.0)
         if tiled and norm:
             f += math.ceil(math.log2(grid.size)) * ar.alpha
         fixed.append(f)
         largest.append(big)
         received.append(recv)
         flags.append(tiled)
-    return Halos(tuple(fixed), tuple(largest), tuple(received), tuple(flags))
+    return Halos(tuple(fixed), tuple(largest), tuple(received), tuple(flags), tuple(ops),
+                 tuple(per_sample))
 
 
 @dataclass(frozen=True)
@@ -245,6 +257,8 @@ class _Sums:
         self.hfix = pre(halos.fixed if halos else [0.0] * n)
         self.hbig = pre(halos.largest if halos else [0] * n)
         self.hrecv = pre(halos.received if halos else [0] * n)
+        self.ops = pre(halos.ops if halos else [0.0] * n)
+        self.op_sample = pre(halos.op_per_sample if halos else [0.0] * n)
         self.params = pre(t.params)
 
     def compute(self, a: int, b: int, mb: int, spatial: bool, back: bool = False) -> float:
@@ -254,8 +268,12 @@ class _Sums:
         return (fixed[b] - fixed[a]) + mb * ((tiled[b] - tiled[a]) / parts
                                              + whole[b] - whole[a])
 
-    def comm(self, a: int, b: int, mb: int, beta: float) -> float:
-        return (self.hfix[b] - self.hfix[a]) + mb * beta * (self.hbig[b] - self.hbig[a])
+    def comm(self, a: int, b: int, mb: int, beta: float, slow: float = 1.0) -> float:
+        """Halo and statistics seconds of nodes [a, b), one direction: messages, and the
+        runtime's tile ops at the rank's core speed (``slow``)."""
+        ops = (self.ops[b] - self.ops[a]) + mb * (self.op_sample[b] - self.op_sample[a])
+        return (self.hfix[b] - self.hfix[a]) + mb * beta * (self.hbig[b] - self.hbig[a]) + \
+            slow * ops
 
     def act(self, a: int, b: int, mb: int, spatial: bool) -> int:
         tiled = self.saved_t[b] - self.saved_t[a]
@@ -357,7 +375,7 @@ def stages_of(t: ModelTable, plan: Plan, mb: int, grid: Grid | None,
     for j in range(plan.stages):
         lo, hi = bounds[j], bounds[j + 1]
         sp = j < s
-        comm = sums.comm(lo, hi, mb, beta) if sp else 0.0
+        comm = sums.comm(lo, hi, mb, beta, slow) if sp else 0.0
         f.append(slow * sums.compute(lo, hi, mb, sp) + comm)
         b.append(slow * sums.compute(lo, hi, mb, sp, True) + comm)
         act.append(sums.act(lo, hi, mb, sp))

@@ -71,6 +71,10 @@ class Profile:
     """Fixed seconds a tile op of a spatial stage adds in each direction (a halo exchange, a
     norm's statistics: the runtime's own overhead and the wait for the group), measured by
     ``fxpar-calibrate`` with fxpar's runtime; 0: none."""
+    tile_op_bytes: float = 0.0
+    """Bytes/s at which a tile op's cost grows with the tile it works on (building the
+    window, slicing the gradient back: ``tile_op_s + tile bytes / tile_op_bytes`` each way),
+    measured by ``fxpar-calibrate`` on two tile sizes; 0: no per-byte term."""
     norm_bytes: float = 0.0
     """Bytes/s of BatchNorm / group norm in training (statistics, then the normalisation: more
     passes per byte than a pointwise op); 0: ``mem_bytes``."""
@@ -101,6 +105,10 @@ class Profile:
         wide = kernel > 1
         same = [g for g in self.conv_grid if (g[1] > 1) == wide] or list(self.conv_grid)
         return min(same, key=lambda g: abs(math.log(g[0]) - math.log(max(channels, 1))))[2]
+
+    def tile_op(self, nbytes: float) -> float:
+        """Seconds of one tile op, one direction, on a tile of ``nbytes``."""
+        return self.tile_op_s + (nbytes / self.tile_op_bytes if self.tile_op_bytes else 0.0)
 
     def slowdown(self, world_size: int) -> float:
         """How much slower each rank computes when ``world_size`` ranks are placed
@@ -139,7 +147,7 @@ class Profile:
                 raise ProfileError(f"{where}: {k} must be [alpha seconds, beta seconds per "
                                    f"byte], both >= 0, got {v!r}")
             kw[k] = Link(float(v[0]), float(v[1]))
-        optional = ("norm_bytes", "tile_op_s", "dwconv_flops", "pool_rate")
+        optional = ("norm_bytes", "tile_op_s", "dwconv_flops", "pool_rate", "tile_op_bytes")
         for k in (*rates, *(f for f in optional if f in kw)):
             v = kw[k]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or \
