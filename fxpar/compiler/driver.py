@@ -145,16 +145,16 @@ def links_of(graph: StageGraph) -> Links:
     return links
 
 
-def rank_schedules(rank_map: RankMap, links: Links) -> Schedule:
+def rank_schedules(rank_map: RankMap, links: Links, sync: bool | None = None) -> Schedule:
     """Every rank's action list: each copy's pipeline over ``links``, a rank's roles merged
     into one order (tile groups meet in one order), then ALLREDUCE when gradients are summed
-    and STEP."""
+    (``sync``; None: when the plan needs it) and STEP."""
     plan = rank_map.plan
     per_copy = {c: pipeline(plan.stages, chunks_per_copy(plan), plan.schedule, links, copy=c)
                 for c in range(plan.copies)}
     roles = [[(r.copy, r.stage) for r in rank_map.roles_of(k)] for k in range(plan.world_size)]
-    # gradients to sum: a stage held by several ranks, or by one rank in both GEMS copies
-    sync = plan.copies > 1 or any(len(g) > 1 for g in stage_groups(rank_map).values())
+    if sync is None:  # gradients to sum: a stage on several ranks, or one rank in both copies
+        sync = plan.copies > 1 or any(len(g) > 1 for g in stage_groups(rank_map).values())
     together = rank_map.tile_groups()
     return place(per_copy, roles, sync,
                  lambda queues: interleave(queues, links, together=together))

@@ -46,13 +46,13 @@ from fxpar.compiler.costmodel import (
 )
 from fxpar.compiler.passdriver import run_passes
 from fxpar.compiler.profile import Profile
-from fxpar.compiler.simulate import SimResult, interleave, simulate
+from fxpar.compiler.simulate import SimResult, simulate
 from fxpar.core import meta
 from fxpar.core.geometry import Grid
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.roles import chunks_per_copy
-from fxpar.core.schedule import Action, Schedule, chain, pipeline, place
+from fxpar.core.schedule import Action, Schedule, chain
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, classify
 from fxpar.frontend.trace import trace
 from fxpar.passes.precision import precision
@@ -206,15 +206,13 @@ def _halos(t: ModelTable, grid: Grid) -> Halos | None:
                 count, big, recv = halo_messages(t.gm, n, grid, tile)
             except (ValueError, AssertionError, PlanError):
                 return None  # a window larger than the neighbouring tile
-            x = n.args[0]
-            if count and isinstance(x, fx.Node):  # a Halo keeps its whole window
-                info = meta.get(x, TensorInfo)
-                recv += info.cell_bytes * math.prod(info.shape[2:]) // grid.size
+        tile_bytes = _tile_bytes(n, 1.0 / grid.size)  # the input's tile, per sample
+        if count:  # a Halo keeps its whole window: the tile and what it received
+            recv += int(tile_bytes)
         f = count * p2p.alpha
         op = bool(count or (tiled and norm))  # a tile op: the runtime's work, per sample
         ops.append(t.profile.tile_op(0.0) if op else 0.0)
-        per_sample.append(t.profile.tile_op(_tile_bytes(n, 1.0 / grid.size)) - ops[-1]
-                          if op else 0.0)
+        per_sample.append(t.profile.tile_op(tile_bytes) - ops[-1] if op else 0.0)
         if tiled and norm:
             f += math.ceil(math.log2(grid.size)) * ar.alpha
         fixed.append(f)
@@ -503,14 +501,11 @@ def _reduced_schedule(stages: int, microbatches: int, schedule: str, gems: bool,
                       gems_times: int, sync: bool) -> Schedule:
     """The action lists of a plan of ``stages`` ranks (no tiles, no data parallelism), with
     ALLREDUCE when the real plan sums gradients (``sync``)."""
+    from fxpar.compiler.driver import rank_schedules
+
     plan = Plan(stages=stages, microbatches=microbatches, schedule=schedule,  # type: ignore
                 gems=gems, gems_times=gems_times)
-    links = chain(stages)
-    rank_map = RankMap(plan)
-    per_copy = {c: pipeline(stages, chunks_per_copy(plan), schedule, links, copy=c)
-                for c in range(plan.copies)}
-    roles = [[(r.copy, r.stage) for r in rank_map.roles_of(k)] for k in range(stages)]
-    return place(per_copy, roles, sync, lambda queues: interleave(queues, links))
+    return rank_schedules(RankMap(plan), chain(stages), sync)
 
 
 __all__ = ["ModelTable", "Estimate", "Stages", "analyse", "evaluate", "stage_cuts",

@@ -127,6 +127,20 @@ def _lines(out: str, prefix: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith(prefix)]
 
 
+def _assert_one_process_losses(root: Path, losses: list[float], chunks: int) -> None:
+    """The losses fxpar-run printed equal the same training in one process (seed 3, tiny_net
+    with 3 classes, batch 4 of the folder in the same order, SGD lr 0.02 with momentum 0.9)
+    accumulated over ``chunks`` equal parts of each batch."""
+    torch.manual_seed(3)
+    ref = build_model(f"{HERE}:tiny_net", num_classes=3).double()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.02, momentum=0.9)
+    src = FolderBatches(ImageFolder.scan(root, SIZE, 3), 4, torch.float64, seed=3)
+    for step, got in enumerate(losses):
+        x, y = src.batch(step, Rect((0, SIZE), (0, SIZE)))
+        want = reference_step(ref, opt, x, y, chunks, F.cross_entropy)
+        assert abs(got - want) <= 1e-6, f"step {step + 1}: printed loss {got} != {want:.6f}"
+
+
 def case_cli_trains_image_folder_prints_table_and_writes_metrics():
     plan = fxpar.Plan(stages=2, spatial_parts=2, microbatches=2)
     comm = sub_comm(plan.world_size)
@@ -149,16 +163,7 @@ def case_cli_trains_image_folder_prints_table_and_writes_metrics():
     assert len(steps) == 2, text  # 2 epochs x (6 images // batch 4)
     losses = [float(re.search(r"loss (\S+)", s).group(1)) for s in steps]
     assert all("img/s" in s for s in steps)
-    # the same training in one process: same seed, same model, same data order
-    torch.manual_seed(3)
-    ref = build_model(f"{HERE}:tiny_net", num_classes=3).double()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.02, momentum=0.9)
-    data = ImageFolder.scan(root, SIZE, 3)
-    src = FolderBatches(data, 4, torch.float64, seed=3)
-    for step, got in enumerate(losses):
-        x, y = src.batch(step, Rect((0, SIZE), (0, SIZE)))
-        want = reference_step(ref, opt, x, y, plan.chunks(), F.cross_entropy)
-        assert abs(got - want) <= 1e-6, f"step {step + 1}: printed loss {got} != {want:.6f}"
+    _assert_one_process_losses(root, losses, plan.chunks())
     head = next(i for i, line in enumerate(text.splitlines()) if line.split()[:3] ==
                 ["rank", "stage", "tile"])
     rows = [line.split() for line in text.splitlines()[head + 1:head + 4]]
@@ -286,12 +291,5 @@ def case_cli_plan_auto_chooses_the_planners_plan_and_trains_like_one_process():
         found.plan.microbatches), (plan, found.plan)
     losses = [float(re.search(r"loss (\S+)", s).group(1)) for s in _lines(text, "step ")]
     assert len(losses) == 2, text
-    torch.manual_seed(3)
-    ref = build_model(f"{HERE}:tiny_net", num_classes=3).double()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.02, momentum=0.9)
-    src = FolderBatches(ImageFolder.scan(root, SIZE, 3), 4, torch.float64, seed=3)
-    for step, got in enumerate(losses):
-        x, y = src.batch(step, Rect((0, SIZE), (0, SIZE)))
-        want = reference_step(ref, opt, x, y, plan.chunks(), F.cross_entropy)
-        assert abs(got - want) <= 1e-6, f"step {step + 1}: printed loss {got} != {want:.6f}"
+    _assert_one_process_losses(root, losses, plan.chunks())
     _remove(comm, root)
