@@ -186,3 +186,13 @@ def test_inspect_auto_prints_the_search():
 def test_inspect_auto_usage_errors(argv, message):
     code, _, err = _inspect(["torchvision:resnet18", "--image-size", "64", *argv])
     assert code == 2 and message in err, err
+
+
+def test_plan_auto_searches_and_checks_a_library_model_built_on_meta():
+    """timm's ConvNeXt: LayerNorm on channels-last islands (tiled nodes whose inputs are not
+    N, C, H, W) and a layer-scale gamma with no reset_parameters, built on meta: the search
+    costs it and the check compiles its choice without initialising anything."""
+    model = build_model("timm:convnext_atto", meta=True, num_classes=10)
+    found = plan_auto(model, (8, 3, 256, 256), 4, None)
+    assert found.plan.world_size == 4 and found.seconds[2] > 0
+    assert any(e.plan.spatial for e in found.ranked)

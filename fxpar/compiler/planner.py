@@ -263,12 +263,17 @@ def _checked(model: nn.Module, shape: tuple[int, ...], plan: Plan) -> Plan:
 
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     example = torch.empty(shape, device="meta", dtype=dtype)
+
+    def untouched(name: str, module: nn.Module) -> None:
+        """The check computes nothing: a meta model's modules need no values (and no
+        reset_parameters) here."""
+
     try:
-        fx_compile(model, plan, example)
+        fx_compile(model, plan, example, init=untouched)
         return plan
     except PlanError:
         if plan.balance is None:
             raise
         plan = replace(plan, balance=None)
-        fx_compile(model, plan, example)
+        fx_compile(model, plan, example, init=untouched)
         return plan

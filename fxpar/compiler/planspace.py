@@ -206,11 +206,11 @@ def _halos(t: ModelTable, grid: Grid) -> Halos | None:
                 count, big, recv = halo_messages(t.gm, n, grid, tile)
             except (ValueError, AssertionError, PlanError):
                 return None  # a window larger than the neighbouring tile
-        tile_bytes = _tile_bytes(n, 1.0 / grid.size)  # the input's tile, per sample
+        op = bool(count or (tiled and norm))  # a tile op: the runtime's work, per sample
+        tile_bytes = _tile_bytes(n, 1.0 / grid.size) if op else 0.0  # its input's tile
         if count:  # a Halo keeps its whole window: the tile and what it received
             recv += int(tile_bytes)
         f = count * p2p.alpha
-        op = bool(count or (tiled and norm))  # a tile op: the runtime's work, per sample
         ops.append(t.profile.tile_op(0.0) if op else 0.0)
         per_sample.append(t.profile.tile_op(tile_bytes) - ops[-1] if op else 0.0)
         if tiled and norm:
