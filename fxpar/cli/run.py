@@ -14,8 +14,10 @@ HxW, or DxHxW for 3-D volumes (batches N x C x D x H x W); ``--grid HxW`` / ``--
 gives the process grid explicitly (``Plan.grid``; the tile count is its product).
 Rank 0 prints a progress line per step and, at the end, a per-rank table (stage, tile, peak
 memory, compute vs communication time); ``--metrics FILE`` writes the same as JSON
-(fxpar.io.metrics). Every user error (bad plan, model, data) is reported before any rank talks
-to another, as ``fxpar-run: error: ...`` with exit code 2.
+(fxpar.io.metrics). ``--val-data PATH --eval-every N`` validates in eval mode on a whole
+held-out set (fxpar.io.evaluate; the loop is fxpar.cli.train). Every user error (bad plan,
+model, data) is reported before any rank talks to another, as ``fxpar-run: error: ...`` with
+exit code 2.
 """
 
 from __future__ import annotations
@@ -25,15 +27,23 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg
 from fxpar.cli.auto import AutoUsageError, add_args, check_no_layout, choose
+from fxpar.cli.train import (  # train and finish: re-exported (tests, users import them here)
+    add_eval_args,
+    check_eval_args,
+    check_task,
+    resume,
+    run,
+)
+from fxpar.cli.train import finish as finish
+from fxpar.cli.train import train as train
 from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import compile as fx_compile
@@ -50,7 +60,6 @@ from fxpar.core.plan import (
 from fxpar.frontend.trace import TraceError
 from fxpar.io.checkpoint import CheckpointError
 from fxpar.io.data import (
-    Batch,
     BatchSource,
     DataError,
     FolderBatches,
@@ -59,7 +68,7 @@ from fxpar.io.data import (
     describe,
     spatial_size,
 )
-from fxpar.io.metrics import Recorder, gather, table, write_metrics
+from fxpar.io.evaluate import Validation, check_output, open_validation, output_shape
 from fxpar.io.program import _LAUNCHER_VARS, RankProgram
 from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
 
@@ -169,6 +178,7 @@ def parser() -> argparse.ArgumentParser:
                    help="spatial plans: consecutive convolutions / pools share one wider halo "
                    "exchange (default off; auto: where the cost model says it pays)")
     add_args(g, run=True)
+    add_eval_args(p)
     return p
 
 
@@ -229,6 +239,8 @@ class Job:
     dtype: torch.dtype
     compile_s: float
     how: str = "compiled"
+    val: Validation | None = None
+    """The validation set (``--val-data``), batches of the compiled batch size."""
 
 
 def _source(a: argparse.Namespace, shape: tuple[int, ...],
@@ -376,6 +388,7 @@ def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
         raise ValueError("--log-every must be >= 1")
     if a.checkpoint_every is not None and (a.checkpoint is None or a.checkpoint_every < 1):
         raise ValueError("--checkpoint-every K needs --checkpoint DIR and K >= 1")
+    check_eval_args(a)
     if a.resume is not None:
         from fxpar.io.checkpoint import read_manifest
 
@@ -385,82 +398,15 @@ def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
     launched = comm is not None or any(v in os.environ for v in _LAUNCHER_VARS)
     where = bind((comm or Comm()) if launched and a.device != "cpu" else None, a.device)
     job = _saved(a, comm) if Path(a.model).is_dir() else _compiled(a, comm)
+    if a.val_data is not None:  # the model's classes: its output's, when the graph says
+        out = output_shape(job.rp.program)
+        classes = out[1] if out is not None and len(out) > 1 else a.num_classes
+        job.val = open_validation(a.val_data, job.shape, job.dtype, classes, a.seed,
+                                  limit=a.val_batches)
+        check_task(a, job.val)
+        check_output(job.val, out)
     job.rp.to(where)
     return job
-
-
-def train(rp: RankProgram, batches: Callable[[int], Batch], args: argparse.Namespace,
-          start_step: int = 0, after_step: Callable[[int], None] | None = None) -> Recorder:
-    """Steps ``start_step .. args.steps - 1`` on ``batches(step)``; rank 0 prints a progress
-    line (step, loss, images/s) every ``args.log_every`` steps and at the last one.
-    after_step(n): called after step n (1-based) finishes (checkpoints)."""
-    rec = Recorder(rp)
-    every = args.log_every or max(1, args.steps // 50)
-    for step in range(start_step, args.steps):
-        t = time.perf_counter()
-        x, y = batches(step)
-        data_s = time.perf_counter() - t
-        loss, took = rec.step(x, y)
-        n = step + 1
-        if rp.rank == 0 and (n % every == 0 or n == args.steps or n == start_step + 1):
-            ls = rp.loss_scale
-            scale = "" if ls is None else f"  loss scale {ls.scale:g} ({ls.skipped} skipped)"
-            print(f"step {n:>4}/{args.steps}  loss {loss:.6f}  {args.batch_size / took:8.2f} "
-                  f"img/s  ({took:.3f} s, data {data_s:.3f} s){scale}", flush=True)
-        if after_step is not None:
-            after_step(n)
-    return rec
-
-
-def finish(job: Job, rec: Recorder, a: argparse.Namespace) -> dict[str, Any] | None:
-    """Collective: gather the metrics; rank 0 prints the table and writes --metrics."""
-    metrics = gather(rec, str(a.model), a.batch_size)
-    if metrics is None:
-        return None
-    print(table(metrics))
-    if a.metrics is not None:
-        print(f"metrics: {write_metrics(a.metrics, metrics)}")
-    if rec.steps:
-        n = len(rec.steps)
-        over = f"this run's steps 2..{n} (its first step warms up)" if n > 1 else \
-            "this run's one step (including warm-up)"
-        print(f"done: median {metrics['images_per_s']:.2f} img/s over {over}", flush=True)
-    return metrics
-
-
-def _resume(rp: RankProgram, a: argparse.Namespace) -> int | None:
-    """The step to start from (--resume: the checkpoint's); None after a resume error, on every
-    rank alike (the ranks agree first, so none goes on training alone)."""
-    if a.resume is None:
-        return 0
-    from fxpar.io.checkpoint import CheckpointError, load
-
-    step, error = None, None
-    try:
-        step = load(rp, a.resume)
-    except CheckpointError as e:
-        error = str(e)
-    errors = [error] if rp.comm is None else rp.comm.allgather_object(error)
-    if any(errors):
-        if rp.rank == 0:
-            bad = next(e for e in errors if e)
-            print(f"fxpar-run: error: {bad}", file=sys.stderr)
-        return None
-    if rp.rank == 0:
-        print(f"resumed from {a.resume} at step {step}", flush=True)
-    return step
-
-
-def _checkpoint(rp: RankProgram, a: argparse.Namespace, n: int) -> None:
-    """Collective: save --checkpoint after step n when it is due (every K steps, and the last)."""
-    if a.checkpoint is None:
-        return
-    if n == a.steps or (a.checkpoint_every and n % a.checkpoint_every == 0):
-        from fxpar.io.checkpoint import save
-
-        save(rp, a.checkpoint, n)
-        if rp.rank == 0:
-            print(f"checkpoint: step {n} -> {a.checkpoint}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
@@ -493,14 +439,14 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
         print(f"fxpar-run: {a.model} {'x'.join(map(str, job.shape))} {a.dtype}{compute} on "
               f"{rp.program.world_size} rank(s); {job.how} in {job.compile_s:.2f} s; "
               f"{describe(job.source)}", flush=True)
-    start = _resume(rp, a)
+        if job.val is not None:
+            print(job.val.describe(), flush=True)
+    start = resume(rp, a)
     if start is None:
         rp.close()
         return 2
     try:
-        rec = train(rp, lambda step: job.source.batch(step, job.window), a, start,
-                    lambda n: _checkpoint(rp, a, n))
-        finish(job, rec, a)
+        run(job, a, start)
     except Exception as e:
         if rp.comm is None or rp.comm.size == 1:
             raise

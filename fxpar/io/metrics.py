@@ -8,7 +8,8 @@ The JSON is a contract with ``fxpar-inspect --timeline FILE.png --from-metrics``
      "ranks": [{"rank": int, "roles": [{"copy": int, "stage": int, "tile": int}],
                 "peak_memory_bytes": int, "compute_s": float, "comm_s": float, "step_s": float,
                 "timeline": [{"action": "c0.0F0", "kind": "F", "stage": 0, "mb": 0, "copy": 0,
-                              "start": s, "end": s, "wait": s}, ...]}, ...]}
+                              "start": s, "end": s, "wait": s}, ...]}, ...],
+     "eval": [...]}                          # only with fxpar-run --val-data (see below)
 
 Per step: compute = F/B/STEP time minus the time they sat blocked on communication (receive
 waits, the send completion before STEP/ALLREDUCE, the gradient sync); comm = that wait plus the
@@ -17,6 +18,20 @@ holds the loss allreduce). compute_s, comm_s, step_s and images_per_s are median
 2.. (step 1 warms up; with one step, that step). Timeline times are seconds from the start of
 the last step's ``train_step`` on that rank. A halo exchange inside a spatial stage runs inside
 its F/B action, so it counts as compute (see fxpar.runtime.loop).
+
+``eval`` (optional: present when the run validated, ``--val-data``) lists every validation
+pass in order (fxpar.io.evaluate; every metric over the whole validation set, padding
+excluded)::
+
+    {"step": int, "loss": float, "samples": int, "accuracy": float, "seconds": float,
+     "correct": int,                              # classification: correct images
+     # segmentation (mask targets) also has, with accuracy the pixel accuracy:
+     "pixels": int, "dice": float, "iou": float,  # means over the classes defined below
+     "per_class": [{"class": int, "dice": float | null, "iou": float | null,
+                    "pixels": int, "predicted": int}, ...]}
+
+loss is the mean over every sample (every pixel for a segmentation loss, as F.cross_entropy
+averages); a class absent from both prediction and target has null dice and iou.
 """
 
 from __future__ import annotations
@@ -129,9 +144,10 @@ def peak_memory(rp: RankProgram | None = None) -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
-def gather(rec: Recorder, model: str, batch_size: int) -> dict[str, Any] | None:
+def gather(rec: Recorder, model: str, batch_size: int,
+           evals: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """Collective over the rank program's communicator: the whole metrics object on rank 0,
-    None on the other ranks."""
+    None on the other ranks. evals: the validation passes (the "eval" key), when any."""
     rp = rec.rp
     entry = rec.rank_entry()
     entries = [entry] if rp.comm is None else rp.comm.gather_object(entry, root=0)
@@ -139,12 +155,26 @@ def gather(rec: Recorder, model: str, batch_size: int) -> dict[str, Any] | None:
         return None
     steady = rec.steady()
     rates = [batch_size / s.step_s for s in steady if s.step_s > 0]
-    return {
+    out = {
         "fxpar_metrics": FORMAT, "model": model, "world_size": rp.program.world_size,
         "plan": rp.plan.to_json(), "steps": len(rec.steps), "batch_size": batch_size,
         "images_per_s": statistics.median(rates) if rates else 0.0,
         "ranks": sorted(entries, key=lambda e: e["rank"]),
     }
+    if evals is not None:
+        out["eval"] = [_json_safe(e) for e in evals]
+    return out
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN (no sample scored) as null: JSON has no NaN."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def table(metrics: dict[str, Any]) -> str:
@@ -185,6 +215,8 @@ _TOP = {"fxpar_metrics": int, "model": str, "world_size": int, "plan": dict, "st
 _RANK = {"rank": int, "roles": list, "peak_memory_bytes": int, "compute_s": (int, float),
          "comm_s": (int, float), "step_s": (int, float), "timeline": list}
 _ROLE = {"copy": int, "stage": int, "tile": int}
+_EVAL = {"step": int, "loss": (int, float, type(None)), "samples": int,
+         "accuracy": (int, float, type(None))}  # null: NaN (a diverged model)
 _EVENT = {"action": str, "kind": str, "stage": int, "mb": int, "copy": int,
           "start": (int, float), "end": (int, float), "wait": (int, float)}
 
@@ -226,4 +258,8 @@ def load_metrics(path: str | os.PathLike[str]) -> dict[str, Any]:
             _keys(role, _ROLE, f"ranks[{i}].roles[{j}]", str(p))
         for j, ev in enumerate(entry["timeline"]):
             _keys(ev, _EVENT, f"ranks[{i}].timeline[{j}]", str(p))
+    if not isinstance(data.get("eval", []), list):
+        raise MetricsError(f"{p}: 'eval' must be a list of validation passes")
+    for i, ev in enumerate(data.get("eval", [])):
+        _keys(ev, _EVAL, f"eval[{i}]", str(p))
     return data
