@@ -1,0 +1,559 @@
+"""Image readers that read one window of one pyramid level, and only the storage it touches.
+
+A whole-slide image (20000² to 100000² pixels, SVS / NDPI / OME-TIFF), a satellite scene
+(GeoTIFF) or a microscopy volume (OME-Zarr) does not fit in memory; a rank of a spatial stage
+needs only its tile plus a halo (fxpar.io.data.input_window). :func:`open_image` opens one file
+at one pyramid level as an :class:`ImageReader` whose ``read(window)`` returns just that window,
+``(C, *window.shape)``, in the stored dtype. How much each format reads, honestly:
+
+- TIFF family (tiled or striped TIFF, pyramidal TIFF, SVS, NDPI, OME-TIFF with sub-IFD
+  pyramids, GeoTIFF, BigTIFF) through tifffile: the level is ``series.levels[k]`` of the first
+  series (the main image: SVS baseline, OME image 0); the window is read through
+  ``zarr.open(series.aszarr(level=k))[...]``, which reads and decodes only the tiles (or strips)
+  the window touches. JPEG / JPEG 2000 tiles of real slides need imagecodecs.
+- Zarr (a folder ``*.zarr``, v2 or v3): a plain array, or a multiscale group -- OME-Zarr
+  ``multiscales`` attributes (v0.4, or v0.5 under ``ome``), else arrays named ``0``, ``1``, ...
+  -- whose level k is the k-th dataset: only the chunks touching the window are read.
+- ``.npy``: memory-mapped; only the pages holding the window's rows are touched.
+- PNG / JPEG through PIL: PIL decodes the whole file, then the window is cropped (small images
+  only: store large ones as tiled TIFF or Zarr).
+- OpenSlide formats (``.mrxs``, ``.vms``, ``.vmu``, ``.svslide``; ``.scn`` and ``.bif`` when
+  tifffile cannot read them) through openslide-python, when installed: OpenSlide reads the tiles
+  of the region; RGBA comes back as RGB, fully transparent (unscanned) pixels white.
+- NIfTI (``.nii``, ``.nii.gz``) through fxpar.io.volumes (see there).
+
+Axes. The result is always (C, H, W) or, for volumes, (C, D, H, W). TIFF axes come from
+tifffile (``YXS`` chunky RGB is transposed, planar ``SYX`` / ``CYX`` kept); OME-Zarr from its
+``axes`` metadata (c, z, y, x; a time axis must have size 1). Without metadata (plain Zarr and
+``.npy``) the shape decides: (H, W); a 3-D array is (C, H, W) when its first dim is <= 4, else
+(H, W, C) when its last is <= 4, else a volume (D, H, W); 4-D is (C, D, H, W). ``ndim=3``
+(volumes expected) makes a 3-D array (D, H, W) regardless; give OME axes metadata when the
+shape is ambiguous. Axes of size 1 other than y and x are dropped.
+
+Accounting. ``reader.stats`` (:class:`ReadStats`) records every window read and the number of
+storage tiles / chunks (strips, for striped TIFF) it touched; with ``counting=True`` also the
+bytes: TIFF and PIL files are opened through :class:`CountingFile` and Zarr through a counting
+store, so those are the bytes actually read, headers included (``stats.header``: the part read
+while opening); a ``.npy`` window counts the byte runs of its rows (a memory map cannot count);
+OpenSlide hides its I/O (0). tests/test_readers.py checks the bytes against the tiles' stored
+sizes.
+
+Integers are scaled to [0, 1] by :func:`to_tensor` (by their dtype's maximum, as
+fxpar.io.data does); masks (class indices) are never scaled: see fxpar.io.samples.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fxpar.core.geometry import Rect
+from fxpar.io.errors import DataError
+
+TIFF = (".tif", ".tiff", ".svs", ".ndpi", ".btf", ".tf8", ".tf2", ".qptiff", ".gtiff", ".scn",
+        ".bif")
+OPENSLIDE = (".mrxs", ".vms", ".vmu", ".svslide")
+OPENSLIDE_TIFF = (".scn", ".bif")  # TIFF-based: tifffile first, OpenSlide when it cannot
+PIL_FORMATS = (".png", ".jpg", ".jpeg")
+NPY = (".npy",)
+NIFTI = (".nii", ".nii.gz")
+ZARR = (".zarr",)
+FORMATS = TIFF + OPENSLIDE + PIL_FORMATS + NPY + NIFTI + ZARR
+GEO_TAGS = {33550: ("ModelPixelScaleTag", 12), 33922: ("ModelTiepointTag", 12),
+            34264: ("ModelTransformationTag", 12), 34735: ("GeoKeyDirectoryTag", 3),
+            34736: ("GeoDoubleParamsTag", 12), 34737: ("GeoAsciiParamsTag", 2)}
+"""GeoTIFF tags: code -> (tifffile's name, TIFF data type), as :func:`geo_extratags` writes."""
+_IMAGES_PIP = "pip install 'fxpar[images]' (tifffile, zarr, imagecodecs)"
+_PIL_MODE = {1: "L", 3: "RGB", 4: "RGBA"}
+
+
+@dataclass
+class ReadStats:
+    """What a reader has read so far: its windows, the bytes (``counting=True``; headers
+    included, ``header`` of them while opening) and the storage tiles / chunks touched."""
+
+    windows: list[Rect] = field(default_factory=list)
+    bytes: int = 0
+    tiles: int = 0
+    header: int = 0
+
+
+class CountingFile(io.RawIOBase):
+    """A read-only file that counts the bytes read through it, handed to tifffile / PIL so the
+    bytes a window costs are measured at the file handle rather than estimated. It has no
+    ``fileno``, so tifffile cannot memory-map around it."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self._f = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by close())
+        self.name = str(path)
+        self.count = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._f.readinto(buffer) or 0
+        self.count += n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()
+
+
+# -- axes ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Axes:
+    """Role of each stored axis: "c" (channels), "z", "y", "x" (spatial), "1" (size 1, dropped).
+    Turns a window into an index of the stored array and the result into (C, *spatial)."""
+
+    roles: tuple[str, ...]
+
+    @property
+    def spatial(self) -> tuple[str, ...]:
+        return tuple(r for r in self.roles if r in "zyx")
+
+    def shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        c = [s for r, s in zip(self.roles, stored, strict=True) if r == "c"]
+        return (c[0] if c else 1, *(s for r, s in zip(self.roles, stored, strict=True)
+                                    if r in "zyx"))
+
+    def index(self, window: Rect) -> tuple[Any, ...]:
+        dims = dict(zip(self.spatial, window.dims, strict=True))
+        return tuple(slice(*dims[r]) if r in dims else 0 if r == "1" else slice(None)
+                     for r in self.roles)
+
+    def arrange(self, a: np.ndarray) -> np.ndarray:
+        kept = [r for r in self.roles if r != "1"]
+        if "c" not in kept:
+            return a[None]
+        return a.transpose([kept.index("c"), *(i for i, r in enumerate(kept) if r != "c")])
+
+
+def _axes(letters: str, shape: tuple[int, ...], path: Path) -> _Axes:
+    """Roles from axis letters (tifffile's ``YXS``, ``CYX``, ``ZYXS``..., or OME names)."""
+    letters = letters.upper()
+    if "Y" not in letters or "X" not in letters:
+        raise DataError(f"{path}: axes {letters} of shape {shape} have no Y and X: not an image")
+    roles = []
+    for a, n in zip(letters, shape, strict=True):
+        roles.append({"Y": "y", "X": "x"}.get(a, "1" if n == 1 else
+                                              "c" if a in "SC" else "z" if a in "ZI" else "?"))
+    bad = [f"{a} ({n})" for a, n, r in zip(letters, shape, roles, strict=True) if r == "?"]
+    if bad or roles.count("c") > 1 or roles.count("z") > 1:
+        raise DataError(f"{path}: axes {letters} of shape {shape}: fxpar reads one image "
+                        f"(channels, [depth,] rows, cols) and cannot tell which of "
+                        f"{', '.join(bad) or letters} to take: save that one image alone")
+    return _Axes(tuple(roles))
+
+
+def _guess(shape: tuple[int, ...], ndim: int | None, path: Path) -> _Axes:
+    """Axes of an array without metadata (see the module doc)."""
+    n = len(shape)
+    letters = {2: "YX", 4: "CZYX", 5: "TCZYX"}.get(n, "")
+    if n == 3:
+        letters = "ZYX" if ndim == 3 else "CYX" if shape[0] <= 4 else \
+            "YXC" if shape[-1] <= 4 else "ZYX"
+    if not letters:
+        raise DataError(f"{path}: array of shape {shape}; expected (H, W), (C, H, W), "
+                        f"(H, W, C) with C <= 4, (D, H, W) or (C, D, H, W)")
+    return _axes(letters, shape, path)
+
+
+# -- readers ------------------------------------------------------------------------------------
+class ImageReader:
+    """One image at one pyramid level. ``shape`` is (C, *spatial) at ``level``; ``levels`` the
+    spatial size of every level (level 0 first); ``geo`` the GeoTIFF tags (tag name -> value,
+    see :func:`geo_extratags`) of level 0, None for other files. Subclasses implement
+    ``_read``; :meth:`read` checks the window and keeps the accounting."""
+
+    def __init__(self, path: Path, level: int, levels: tuple[tuple[int, ...], ...],
+                 channels: int, dtype: np.dtype, geo: dict[str, Any] | None = None) -> None:
+        self.path, self.levels, self.geo = path, levels, geo
+        if not 0 <= level < len(levels):
+            sizes = ", ".join(f"{k}: {_fmt(s)}" for k, s in enumerate(levels))
+            raise DataError(f"{path}: no pyramid level {level}; the file has {len(levels)} "
+                            f"level(s) ({sizes}): give a level from 0 to {len(levels) - 1}")
+        self.level = level
+        self.shape: tuple[int, ...] = (channels, *levels[level])
+        self.dtype = np.dtype(dtype)
+        self.stats = ReadStats()
+        self._counter: Any = None  # something with .count: the bytes read so far
+
+    @property
+    def size(self) -> tuple[int, ...]:
+        """The spatial size at this level: (H, W) or (D, H, W)."""
+        return self.shape[1:]
+
+    def read(self, window: Rect) -> np.ndarray:
+        """``window`` (this level's coordinates) as a (C, *window.shape) array of the stored
+        dtype."""
+        image = Rect.whole(self.size)
+        if window.ndim != len(self.size) or window.intersect(image) != window:
+            raise DataError(f"{self.path}: window {window} is outside the "
+                            f"{_fmt(self.size)} image at level {self.level}: read inside "
+                            f"{image} (a sample's region must lie inside its image)")
+        a = self._read(window)
+        self.stats.windows.append(window)
+        if self._counter is not None:
+            self.stats.bytes = self._counter.count
+        return a
+
+    def _read(self, window: Rect) -> np.ndarray:
+        raise NotImplementedError
+
+    def _opened(self) -> None:
+        """Call at the end of opening: what was read so far is the header."""
+        if self._counter is not None:
+            self.stats.bytes = self.stats.header = self._counter.count
+
+    def close(self) -> None:
+        """Close the file (readers keep it open between reads)."""
+
+    def __enter__(self) -> ImageReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({str(self.path)!r}, level={self.level}, "
+                f"shape={self.shape}, dtype={self.dtype})")
+
+
+def _touched(shape: tuple[int, ...], chunks: tuple[int, ...], index: tuple[Any, ...]) -> int:
+    """How many chunks of an array the index (ints and slices) touches."""
+    n = 1
+    for size, chunk, i in zip(shape, chunks, index, strict=True):
+        lo, hi = (i, i + 1) if isinstance(i, int) else (i.start or 0, size if i.stop is None
+                                                        else i.stop)
+        n *= (hi - 1) // chunk - lo // chunk + 1 if hi > lo else 0
+    return n
+
+
+class _ZarrArrayReader(ImageReader):
+    """Reads through a zarr array (a Zarr file, or a TIFF level through tifffile's store)."""
+
+    _array: Any
+    _axes: _Axes
+
+    def _read(self, window: Rect) -> np.ndarray:
+        index = self._axes.index(window)
+        try:
+            a = np.asarray(self._array[index])
+        except (ValueError, RuntimeError, OSError, KeyError) as e:
+            hint = f": {_IMAGES_PIP}" if "imagecodecs" in str(e) else ": replace the file"
+            raise DataError(f"{self.path}: cannot read window {window} at level "
+                            f"{self.level} ({type(e).__name__}: {e}){hint}") from None
+        self.stats.tiles += _touched(self._array.shape, self._array.chunks, index)
+        return self._axes.arrange(a)
+
+
+class TiffReader(_ZarrArrayReader):
+    """A TIFF-family file through tifffile (see the module doc)."""
+
+    def __init__(self, path: Path, level: int, counting: bool, ndim: int | None) -> None:
+        tifffile, zarr = _module("tifffile"), _module("zarr")
+        self._fh = CountingFile(path) if counting else None
+        try:
+            self._tif = tifffile.TiffFile(self._fh if self._fh is not None else path)
+            series = self._tif.series[0]
+            levels = series.levels
+        except (tifffile.TiffFileError, OSError, ValueError, IndexError, KeyError) as e:
+            self._close_file()
+            raise DataError(f"{path}: not a readable TIFF ({type(e).__name__}: {e})") from None
+        axes = [_axes(s.axes, tuple(s.shape), path) for s in levels]
+        page = self._tif.pages.first
+        geo = {name: page.tags[code].value for code, (name, _) in GEO_TAGS.items()
+               if code in page.tags} or None
+        super().__init__(path, level, tuple(a.shape(tuple(s.shape))[1:]
+                                            for a, s in zip(axes, levels, strict=True)),
+                         axes[0].shape(tuple(series.shape))[0], series.dtype, geo)
+        self._axes, self._counter = axes[level], self._fh
+        self._array = zarr.open(series.aszarr(level=level), mode="r")
+        self._opened()
+
+    def _close_file(self) -> None:
+        if getattr(self, "_tif", None) is not None:
+            self._tif.close()
+        if self._fh is not None:
+            self._fh.close()
+
+    def close(self) -> None:
+        self._close_file()
+
+
+class ZarrReader(_ZarrArrayReader):
+    """A Zarr array or multiscale group (see the module doc)."""
+
+    def __init__(self, path: Path, level: int, counting: bool, ndim: int | None) -> None:
+        zarr = _module("zarr")
+        store: Any = zarr.storage.LocalStore(path, read_only=True)
+        if counting:
+            store = _counting_store(zarr)(store)
+        try:
+            node = zarr.open(store, mode="r")
+        except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{path}: not a readable Zarr array or group ({e})") from None
+        arrays, letters = _datasets(node, path)
+        axes = [_axes(letters, a.shape, path) if letters else _guess(a.shape, ndim, path)
+                for a in arrays]
+        super().__init__(path, level, tuple(ax.shape(a.shape)[1:]
+                                            for ax, a in zip(axes, arrays, strict=True)),
+                         axes[0].shape(arrays[0].shape)[0], arrays[0].dtype)
+        self._array, self._axes = arrays[level], axes[level]
+        self._counter = store if counting else None
+        self._opened()
+
+
+def _datasets(node: Any, path: Path) -> tuple[list[Any], str]:
+    """(the levels' arrays, axis letters from OME metadata or "") of an opened Zarr node."""
+    if hasattr(node, "shape"):
+        return [node], ""
+    attrs = dict(node.attrs)
+    multiscales = attrs.get("multiscales") or attrs.get("ome", {}).get("multiscales")
+    if multiscales:
+        ms = multiscales[0]
+        names = [a["name"] if isinstance(a, dict) else a for a in ms.get("axes", [])]
+        paths = [d["path"] for d in ms["datasets"]]
+    else:
+        names, paths = [], []
+        while str(len(paths)) in node:
+            paths.append(str(len(paths)))
+    if not paths:
+        raise DataError(f"{path}: a Zarr group with no OME-Zarr 'multiscales' attributes and "
+                        f"no arrays named 0, 1, ...: open the array itself ({path}/<name>)")
+    return [node[p] for p in paths], "".join(n[:1] for n in names)
+
+
+def _counting_store(zarr: Any) -> type:
+    """A zarr store wrapper counting the bytes it returns (defined lazily: zarr is optional)."""
+
+    class CountingStore(zarr.storage.WrapperStore):
+        count = 0
+
+        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+            buf = await self._store.get(key, prototype, byte_range)
+            self.count += 0 if buf is None else len(buf)
+            return buf
+
+        async def get_partial_values(self, prototype: Any, key_ranges: Any) -> Any:
+            out = await self._store.get_partial_values(prototype, key_ranges)
+            self.count += sum(len(b) for b in out if b is not None)
+            return out
+
+    return CountingStore
+
+
+class NpyReader(ImageReader):
+    """A memory-mapped ``.npy`` array (one level)."""
+
+    def __init__(self, path: Path, level: int, counting: bool, ndim: int | None) -> None:
+        try:
+            self._a = np.load(path, mmap_mode="r")
+        except (ValueError, OSError, EOFError) as e:
+            raise DataError(f"{path}: not a readable .npy array ({e})") from None
+        self._axes = _guess(self._a.shape, ndim, path)
+        shape = self._axes.shape(self._a.shape)
+        super().__init__(path, level, (shape[1:],), shape[0], self._a.dtype)
+        self._counting = counting
+
+    def _read(self, window: Rect) -> np.ndarray:
+        index = self._axes.index(window)
+        a = np.array(self._a[index])
+        runs = a.size // a.shape[-1] if a.size else 0  # C order: one run per last-axis row
+        self.stats.tiles += runs
+        if self._counting:
+            self.stats.bytes += a.nbytes
+        return self._axes.arrange(a)
+
+    def close(self) -> None:
+        self._a = None  # type: ignore[assignment]  # drops the mapping
+
+
+class PilReader(ImageReader):
+    """PNG / JPEG through PIL: the whole file is decoded, then cropped. ``channels`` converts
+    (to L, RGB or RGBA, as fxpar.io.data does); ``mask`` keeps a palette image's indices."""
+
+    def __init__(self, path: Path, level: int, counting: bool, channels: int | None,
+                 mask: bool) -> None:
+        from PIL import Image, UnidentifiedImageError
+
+        f = CountingFile(path) if counting else path
+        try:
+            with Image.open(f) as im:
+                self._mode = im.mode if mask else _pil_mode(im.mode, len(im.getbands()),
+                                                            channels)
+                probe = np.asarray(Image.new(self._mode, (1, 1)))
+                size = im.size
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+            raise DataError(f"{path}: not a readable image ({e}); store large images as "
+                            f"tiled TIFF or Zarr") from None
+        finally:
+            if isinstance(f, CountingFile):
+                f.close()
+        super().__init__(path, level, ((size[1], size[0]),),
+                         probe.shape[2] if probe.ndim == 3 else 1, probe.dtype)
+        self._counting = counting
+        if isinstance(f, CountingFile):
+            self.stats.bytes = self.stats.header = f.count
+
+    def _read(self, window: Rect) -> np.ndarray:
+        from PIL import Image
+
+        (h0, h1), (w0, w1) = window.h, window.w
+        f = CountingFile(self.path) if self._counting else self.path
+        try:
+            with Image.open(f) as im:  # decodes the whole file (see the module doc)
+                if im.mode != self._mode:
+                    im = im.convert(self._mode)
+                a = np.asarray(im.crop((w0, h0, w1, h1)))
+        finally:
+            if isinstance(f, CountingFile):
+                self.stats.bytes += f.count
+                f.close()
+        self.stats.tiles += 1
+        return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+
+
+def _pil_mode(mode: str, bands: int, channels: int | None) -> str:
+    if channels is not None and (channels != bands or mode in ("P", "1")) \
+            and channels in _PIL_MODE:
+        return _PIL_MODE[channels]
+    return {"P": "RGBA" if bands == 4 else "RGB", "1": "L", "LA": "RGBA"}.get(mode, mode)
+
+
+class OpenSlideReader(ImageReader):
+    """An OpenSlide format through openslide-python (see the module doc)."""
+
+    def __init__(self, path: Path, level: int) -> None:
+        try:
+            import openslide
+        except ImportError:
+            raise DataError(f"{path}: {path.suffix} slides are read through OpenSlide: pip "
+                            f"install openslide-python openslide-bin (or convert the slide "
+                            f"to a pyramidal OME-TIFF)") from None
+        try:
+            self._slide = openslide.OpenSlide(str(path))
+        except Exception as e:  # noqa: BLE001 (OpenSlideError and friends)
+            raise DataError(f"{path}: OpenSlide cannot read it ({e})") from None
+        levels = tuple((int(h), int(w)) for w, h in self._slide.level_dimensions)
+        super().__init__(path, level, levels, 3, np.dtype(np.uint8))
+        self._down = float(self._slide.level_downsamples[level])
+
+    def _read(self, window: Rect) -> np.ndarray:
+        (h0, h1), (w0, w1) = window.h, window.w
+        origin = (round(w0 * self._down), round(h0 * self._down))  # level-0 coordinates
+        rgba = np.asarray(self._slide.read_region(origin, self.level, (w1 - w0, h1 - h0)))
+        rgb = np.where(rgba[..., 3:] == 0, np.uint8(255), rgba[..., :3])
+        return rgb.transpose(2, 0, 1)
+
+    def close(self) -> None:
+        self._slide.close()
+
+
+class NiftiReader(ImageReader):
+    """A NIfTI volume (or 2-D image) through fxpar.io.volumes; values as float64."""
+
+    def __init__(self, path: Path, level: int, ndim: int | None) -> None:
+        from fxpar.io import volumes
+
+        self._volumes = volumes
+        size, channels = volumes.nifti_header(path, ndim or 3)
+        super().__init__(path, level, (size,), channels, np.dtype(np.float64))
+
+    def _read(self, window: Rect) -> np.ndarray:
+        self.stats.tiles += 1
+        return self._volumes.nifti_window(self.path, window, self.shape[0])
+
+
+# -- opening ------------------------------------------------------------------------------------
+def open_image(path: str | Path, level: int = 0, *, counting: bool = False,
+               ndim: int | None = None, channels: int | None = None,
+               mask: bool = False) -> ImageReader:
+    """Open ``path`` at pyramid ``level`` (0: full resolution). ``counting``: count the bytes
+    read (:class:`ReadStats`). ``ndim``: 2 (images) or 3 (volumes) when the caller knows,
+    to settle ambiguous array shapes (module doc). ``channels``: PNG / JPEG are converted to
+    that many channels (other formats are returned as stored). ``mask``: the file holds class
+    indices (a palette PNG's indices are kept). Raises DataError saying what to change."""
+    path = Path(path)
+    name = path.name.lower()
+    if not path.exists():
+        raise DataError(f"{path}: no such file (check the path; paths in a CSV are relative "
+                        f"to the CSV's folder)")
+    if name.endswith(ZARR) or (path.is_dir() and any(
+            (path / m).exists() for m in ("zarr.json", ".zarray", ".zgroup"))):
+        return ZarrReader(path, level, counting, ndim)
+    suffix = ".nii.gz" if name.endswith(".nii.gz") else path.suffix.lower()
+    if suffix in OPENSLIDE_TIFF:
+        try:
+            return TiffReader(path, level, counting, ndim)
+        except DataError as e:
+            if "no pyramid level" in str(e):
+                raise
+            return OpenSlideReader(path, level)
+    if suffix in TIFF:
+        return TiffReader(path, level, counting, ndim)
+    if suffix in OPENSLIDE:
+        return OpenSlideReader(path, level)
+    if suffix in NPY:
+        return NpyReader(path, level, counting, ndim)
+    if suffix in PIL_FORMATS:
+        return PilReader(path, level, counting, channels, mask)
+    if suffix in NIFTI:
+        return NiftiReader(path, level, ndim)
+    raise DataError(f"{path}: unknown image format {suffix or '(no extension)'!r}: give one of "
+                    f"{', '.join(FORMATS)} (or a Zarr folder)")
+
+
+def _module(name: str) -> Any:
+    """tifffile / zarr, imported when first needed: they are optional (fxpar[images])."""
+    try:
+        return __import__(name)
+    except ImportError:
+        raise DataError(f"reading tiled / pyramidal images needs {name}: "
+                        f"{_IMAGES_PIP}") from None
+
+
+def _fmt(size: tuple[int, ...]) -> str:
+    return "x".join(map(str, size))
+
+
+def to_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """An image window as a tensor of ``dtype``: integers scaled to [0, 1] by their dtype's
+    maximum (as fxpar.io.data), booleans to 0 / 1, floats as they are. Not for masks."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if a.dtype.kind in "iu":
+        return t.to(dtype) / float(np.iinfo(a.dtype).max)
+    return t.to(dtype)
+
+
+def geo_extratags(geo: dict[str, Any] | None) -> list[tuple[int, int, int, Any, bool]]:
+    """``geo`` (:attr:`ImageReader.geo`) as tifffile ``extratags`` for a writer that keeps the
+    georeference. The tags describe level 0: at level k, multiply ModelPixelScale's x and y
+    by the level's downsampling."""
+    out = []
+    for code, (name, dtype) in GEO_TAGS.items():
+        if geo and name in geo:
+            value = geo[name]
+            count = len(value.encode()) + 1 if isinstance(value, str) else \
+                len(value) if hasattr(value, "__len__") else 1
+            out.append((code, dtype, count, value, True))
+    return out
+
