@@ -1,0 +1,208 @@
+"""Region-by-region inference under mpiexec (run by tests/test_predict.py, 4 ranks): the output
+of ``fxpar.predict`` equals the model run on the whole image in one process, in float64, for
+images 8 or more times a region, under SP4 (square and vertical tiles), SP2 + DP2 (regions
+split over replicas), SP2 + LP2 (the output on the last stage's rank) and on a
+segmentation-models-pytorch U-Net; every rank reads only its window of each crop; the CLI writes
+a Zarr and a GeoTIFF that equal it too; an interrupted run resumes."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from transparency import sub_comm
+
+import fxpar
+from fxpar.comm.world import world
+from fxpar.compiler.predict import ArrayImage, predict
+from fxpar.core.geometry import Rect
+
+ATOL = 1e-11
+
+
+def small_unet(num_classes: int = 3, channels: int = 3) -> nn.Module:
+    """Encoder (3x3 convolutions, BatchNorm, max pool, a strided convolution), decoder
+    (transposed convolution, nearest upsampling), skip connections: step 4."""
+    torch.manual_seed(1)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Sequential(nn.Conv2d(channels, 6, 3, padding=1), nn.BatchNorm2d(6),
+                                   nn.ReLU())
+            self.b = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(6, 8, 3, padding=1), nn.ReLU())
+            self.c = nn.Sequential(nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(),
+                                   nn.ConvTranspose2d(8, 8, 2, stride=2))
+            self.up = nn.Upsample(scale_factor=2, mode="nearest")
+            self.head = nn.Conv2d(6 + 8, num_classes, 3, padding=1)
+
+        def forward(self, x):
+            a = self.a(x)
+            b = self.b(a)
+            c = self.c(b) + b
+            return self.head(torch.cat([a, self.up(c)], 1))
+
+    net = Net().double()
+    with torch.no_grad():  # running statistics that are not the defaults
+        net.train()(torch.randn(2, channels, 32, 32, dtype=torch.float64))
+    return net.eval()
+
+
+def odd_net(num_classes: int = 2) -> nn.Module:
+    """Any size in, odd sizes included: max pool with padding, a dilated convolution, average
+    pooling without the padding in its count, a transposed convolution back up."""
+    torch.manual_seed(2)
+    net = nn.Sequential(
+        nn.Conv2d(3, 5, 3, padding=1), nn.BatchNorm2d(5), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+        nn.Conv2d(5, 6, 3, padding=2, dilation=2), nn.ReLU(),
+        nn.AvgPool2d(3, 1, 1, count_include_pad=False),
+        nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(4, num_classes, 1)).double()
+    with torch.no_grad():
+        net.train()(torch.randn(2, 3, 32, 32, dtype=torch.float64))
+    return net.eval()
+
+
+def _image(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64)
+
+
+def _reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(x[None])[0]
+
+
+def _run(n: int, plan: fxpar.Plan, model: nn.Module, x: torch.Tensor, region: int,
+         batch: int = 1, shapes: int | None = None) -> None:
+    comm = sub_comm(n)
+    if comm is None:
+        return
+    image = ArrayImage(x)
+    got = predict(model, plan, image, None, region=region, batch=batch, dtype=torch.float64,
+                  comm=comm, progress=False)
+    assert got.regions >= 8, got.regions
+    if shapes is not None:
+        assert len(got.shapes) == shapes, got.shapes
+    writer = got.output is not None
+    assert sum(comm.allgather_object(writer)) == 1
+    if writer:
+        ref = _reference(model, x)
+        out = torch.from_numpy(got.output)
+        assert out.shape == ref.shape, (out.shape, ref.shape)
+        err = (out - ref).abs().max().item()
+        assert err < ATOL, f"max abs difference {err:g} to the whole image"
+    # every read lies inside a crop and is this rank's tile of it (never the whole crop, when
+    # the plan splits the first stage)
+    crops = [r.crop for r in got.grid.regions()]
+    for read in image.reads:
+        assert any(read.intersect(c) == read for c in crops), read
+    if plan.spatial_parts > 1 and image.reads:
+        biggest = max(r.size for r in image.reads)
+        assert biggest < max(c.size for c in crops), (biggest, crops[0])
+    comm.free()
+
+
+def case_sp4_square_unet_equals_whole_image():
+    x = _image((3, 72, 136))
+    _run(4, fxpar.Plan(spatial_parts=4), small_unet(), x, region=24, shapes=1)
+
+
+def case_sp4_odd_image_border_crops_equal_whole_image():
+    x = _image((3, 71, 133))  # odd sizes: border crops of other shapes (4 programs)
+    _run(4, fxpar.Plan(spatial_parts=4), odd_net(), x, region=24, shapes=4)
+
+
+def case_sp4_vertical_batch2_equals_whole_image():
+    x = _image((3, 64, 128), seed=1)
+    _run(4, fxpar.Plan(spatial_parts=4, slice="vertical"), small_unet(), x, region=16,
+         batch=2, shapes=1)
+
+
+def case_sp2_dp2_regions_split_over_replicas():
+    x = _image((3, 60, 96), seed=2)
+    _run(4, fxpar.Plan(spatial_parts=2, data_parallel=2), small_unet(), x, region=20,
+         batch=2)
+
+
+def case_sp2_lp2_output_on_the_last_stage():
+    x = _image((3, 48, 96), seed=3)
+    _run(3, fxpar.Plan(spatial_parts=2, stages=2), small_unet(), x, region=16)
+
+
+def case_smp_unet_sp4_equals_whole_image():
+    import segmentation_models_pytorch as smp
+
+    torch.manual_seed(0)
+    model = smp.Unet("resnet18", encoder_weights=None, encoder_depth=3,
+                     decoder_channels=(32, 16, 8), classes=2).double().eval()
+    x = _image((3, 256, 72), seed=4)
+    _run(4, fxpar.Plan(spatial_parts=4), model, x, region=32)
+
+
+def _tmp(comm) -> Path:
+    name = tempfile.mkdtemp(prefix="fxpar-predict-") if comm.rank == 0 else None
+    return Path(comm.bcast_object(name))
+
+
+def case_cli_writes_zarr_and_geotiff_equal_to_whole_image():
+    import tifffile
+    import zarr
+
+    from fxpar.cli.predict import main
+
+    comm = world()
+    folder = _tmp(comm)
+    model = small_unet(num_classes=3)
+    x = torch.rand((3, 72, 104), generator=torch.Generator().manual_seed(5))
+    pixels = (x * 255).round().to(torch.uint8)
+    if comm.rank == 0:
+        torch.save(model.float().state_dict(), folder / "w.pt")
+        geo = [(33550, "d", 3, (0.5, 0.5, 0.0), True),
+               (33922, "d", 6, (0.0, 0.0, 0.0, 500000.0, 4100000.0, 0.0), True),
+               (34735, "H", 8, (1, 1, 0, 1, 1024, 0, 1, 1), True)]
+        tifffile.imwrite(folder / "scene.tif", pixels.permute(1, 2, 0).numpy(),
+                         tile=(32, 32), photometric="rgb", extratags=geo)
+    comm.barrier()
+    args = [f"{Path(__file__)}:small_unet", str(folder / "scene.tif"), "", "--weights",
+            str(folder / "w.pt"), "--region", "16", "--spatial-parts", "4", "--output",
+            "logits", "--dtype", "float64", "--no-progress"]
+    for out in ("out.zarr", "out.tif"):
+        args[2] = str(folder / out)
+        assert main(args, comm=comm) == 0
+    if comm.rank == 0:
+        ref = _reference(small_unet(num_classes=3), pixels.double() / 255)
+        got = torch.from_numpy(np.asarray(zarr.open_array(str(folder / "out.zarr"))[:]))
+        assert (got - ref).abs().max().item() < ATOL
+        with tifffile.TiffFile(folder / "out.tif") as tif:
+            page = tif.pages[0]
+            assert page.is_tiled
+            assert tuple(page.tags[33550].value) == (0.5, 0.5, 0.0)
+            assert tuple(page.tags[34735].value)[:4] == (1, 1, 0, 1)
+            t = torch.from_numpy(tif.asarray())
+        assert (t - ref).abs().max().item() < ATOL
+    comm.barrier()
+
+
+def case_rank_windows_are_tiles_of_each_crop():
+    """Under SP4 each rank reads exactly its program's input window of every crop."""
+    comm = world()
+    x = _image((3, 64, 64), seed=6)
+    image = ArrayImage(x)
+    plan = fxpar.Plan(spatial_parts=4)
+    got = predict(small_unet(), plan, image, None, region=16, dtype=torch.float64, comm=comm,
+                  progress=False)
+    want = []
+    program = fxpar.compile(small_unet(), plan, torch.empty((1, 3, *got.shapes[0]),
+                                                             dtype=torch.float64))
+    window = program.input_windows[comm.rank]
+    assert window is not None
+    for r in got.grid.regions():
+        want.append(window.moved(tuple(-a for a, _ in r.crop.dims)))
+    assert sorted(image.reads, key=str) == sorted(want, key=str)
+    whole = Rect.whole((64, 64))
+    assert sum(r.size for r in image.reads) < 0.6 * sum(r.crop.size for r in got.grid.regions())
+    assert all(r.intersect(whole) == r for r in image.reads)
