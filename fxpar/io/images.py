@@ -1,45 +1,40 @@
 """Image readers that read one window of one pyramid level, and only the storage it touches.
 
-A whole-slide image (20000² to 100000² pixels, SVS / NDPI / OME-TIFF), a satellite scene
-(GeoTIFF) or a microscopy volume (OME-Zarr) does not fit in memory; a rank of a spatial stage
-needs only its tile plus a halo (fxpar.io.data.input_window). :func:`open_image` opens one file
-at one pyramid level as an :class:`ImageReader` whose ``read(window)`` returns just that window,
-``(C, *window.shape)``, in the stored dtype. How much each format reads, honestly:
+A whole-slide image (SVS / NDPI / OME-TIFF, up to 100000² pixels), a satellite scene (GeoTIFF)
+or a microscopy volume (OME-Zarr) does not fit in memory, and a rank of a spatial stage needs
+only its tile plus a halo (fxpar.io.data.input_window). :func:`open_image` opens one file at
+one level as an :class:`ImageReader` whose ``read(window)`` returns that window as
+``(C, *window.shape)`` in the stored dtype. What each format reads:
 
-- TIFF family (tiled or striped TIFF, pyramidal TIFF, SVS, NDPI, OME-TIFF with sub-IFD
-  pyramids, GeoTIFF, BigTIFF) through tifffile: the level is ``series.levels[k]`` of the first
-  series (the main image: SVS baseline, OME image 0); the window is read through
-  ``zarr.open(series.aszarr(level=k))[...]``, which reads and decodes only the tiles (or strips)
-  the window touches. JPEG / JPEG 2000 tiles of real slides need imagecodecs.
-- Zarr (a folder ``*.zarr``, v2 or v3): a plain array, or a multiscale group -- OME-Zarr
-  ``multiscales`` attributes (v0.4, or v0.5 under ``ome``), else arrays named ``0``, ``1``, ...
-  -- whose level k is the k-th dataset: only the chunks touching the window are read.
+- TIFF family (tiled / striped / pyramidal TIFF, SVS, NDPI, OME-TIFF with sub-IFD pyramids,
+  GeoTIFF, BigTIFF) through tifffile: level k is ``series.levels[k]`` of the first series (the
+  main image: SVS baseline, OME image 0), read through ``zarr.open(series.aszarr(level=k))``,
+  which reads and decodes only the tiles (strips) the window touches. JPEG / JPEG 2000 tiles
+  of real slides need imagecodecs.
+- Zarr (a ``*.zarr`` folder, v2 or v3): a plain array, or a multiscale group -- OME-Zarr
+  ``multiscales`` attributes (v0.4, or v0.5 under ``ome``), else arrays ``0``, ``1``, ... --
+  whose level k is its k-th dataset: only the chunks touching the window are read.
 - ``.npy``: memory-mapped; only the pages holding the window's rows are touched.
-- PNG / JPEG through PIL: PIL decodes the whole file, then the window is cropped (small images
-  only: store large ones as tiled TIFF or Zarr).
-- OpenSlide formats (``.mrxs``, ``.vms``, ``.vmu``, ``.svslide``; ``.scn`` and ``.bif`` when
-  tifffile cannot read them) through openslide-python, when installed: OpenSlide reads the tiles
-  of the region; RGBA comes back as RGB, fully transparent (unscanned) pixels white.
+- PNG / JPEG through PIL: the whole file is decoded, then cropped (keep these small).
+- OpenSlide formats (``.mrxs``, ``.vms``, ``.vmu``, ``.svslide``; ``.scn`` / ``.bif`` when
+  tifffile cannot) through openslide-python when installed; RGBA becomes RGB, fully
+  transparent (unscanned) pixels white.
 - NIfTI (``.nii``, ``.nii.gz``) through fxpar.io.volumes (see there).
 
-Axes. The result is always (C, H, W) or, for volumes, (C, D, H, W). TIFF axes come from
-tifffile (``YXS`` chunky RGB is transposed, planar ``SYX`` / ``CYX`` kept); OME-Zarr from its
-``axes`` metadata (c, z, y, x; a time axis must have size 1). Without metadata (plain Zarr and
-``.npy``) the shape decides: (H, W); a 3-D array is (C, H, W) when its first dim is <= 4, else
-(H, W, C) when its last is <= 4, else a volume (D, H, W); 4-D is (C, D, H, W). ``ndim=3``
-(volumes expected) makes a 3-D array (D, H, W) regardless; give OME axes metadata when the
-shape is ambiguous. Axes of size 1 other than y and x are dropped.
+Axes: the result is (C, H, W), or (C, D, H, W) for volumes. TIFF axes come from tifffile
+(chunky ``YXS`` is transposed, planar ``SYX`` / ``CYX`` kept); OME-Zarr's from its ``axes``
+metadata (c, z, y, x; t must be 1). Without metadata (plain Zarr, ``.npy``) the shape decides:
+(H, W); a 3-D array is (C, H, W) when its first dim is <= 4, else (H, W, C) when its last is
+<= 4, else (D, H, W); 4-D is (C, D, H, W). ``ndim=3`` (volumes expected) makes any 3-D array
+(D, H, W); write OME axes when the shape is ambiguous. Other axes must have size 1.
 
-Accounting. ``reader.stats`` (:class:`ReadStats`) records every window read and the number of
-storage tiles / chunks (strips, for striped TIFF) it touched; with ``counting=True`` also the
-bytes: TIFF and PIL files are opened through :class:`CountingFile` and Zarr through a counting
-store, so those are the bytes actually read, headers included (``stats.header``: the part read
-while opening); a ``.npy`` window counts the byte runs of its rows (a memory map cannot count);
-OpenSlide hides its I/O (0). tests/test_readers.py checks the bytes against the tiles' stored
-sizes.
-
-Integers are scaled to [0, 1] by :func:`to_tensor` (by their dtype's maximum, as
-fxpar.io.data does); masks (class indices) are never scaled: see fxpar.io.samples.
+Accounting: ``reader.stats`` (:class:`ReadStats`) records the windows read and the storage
+tiles / chunks (strips, for striped TIFF) they touched; with ``counting=True`` also the bytes,
+measured: TIFF and PIL files are read through :class:`CountingFile`, Zarr through a counting
+store (headers included; ``stats.header`` is what opening read). A ``.npy`` window counts its
+rows' byte runs (a memory map cannot count); OpenSlide hides its I/O (0 bytes, 0 tiles).
+:func:`to_tensor` scales integers to [0, 1] by their dtype's maximum (as fxpar.io.data); masks
+are class indices and never scaled (fxpar.io.samples).
 """
 
 from __future__ import annotations
@@ -271,12 +266,19 @@ class TiffReader(_ZarrArrayReader):
     def __init__(self, path: Path, level: int, counting: bool, ndim: int | None) -> None:
         tifffile, zarr = _module("tifffile"), _module("zarr")
         self._fh = CountingFile(path) if counting else None
+        self._tif: Any = None
+        try:
+            self._open(path, level, tifffile, zarr)
+        except BaseException:
+            self.close()  # a level out of range, odd axes ...: no file left open
+            raise
+
+    def _open(self, path: Path, level: int, tifffile: Any, zarr: Any) -> None:
         try:
             self._tif = tifffile.TiffFile(self._fh if self._fh is not None else path)
             series = self._tif.series[0]
             levels = series.levels
         except (tifffile.TiffFileError, OSError, ValueError, IndexError, KeyError) as e:
-            self._close_file()
             raise DataError(f"{path}: not a readable TIFF ({type(e).__name__}: {e})") from None
         axes = [_axes(s.axes, tuple(s.shape), path) for s in levels]
         page = self._tif.pages.first
@@ -289,14 +291,11 @@ class TiffReader(_ZarrArrayReader):
         self._array = zarr.open(series.aszarr(level=level), mode="r")
         self._opened()
 
-    def _close_file(self) -> None:
-        if getattr(self, "_tif", None) is not None:
+    def close(self) -> None:
+        if self._tif is not None:
             self._tif.close()
         if self._fh is not None:
             self._fh.close()
-
-    def close(self) -> None:
-        self._close_file()
 
 
 class ZarrReader(_ZarrArrayReader):

@@ -82,7 +82,7 @@ class SampleSet:
         """The samples of a folder or CSV, every one checked against its files' headers
         (``readers(path, level, mask)``: how to open them; a cache by default)."""
         path = Path(path)
-        opener = readers or _Readers(len(size))
+        opener = readers or _Readers(len(size), channels)
         if path.is_dir() and not path.name.lower().endswith(".zarr"):
             found = _folder(path, level)
         elif path.is_file() and path.suffix.lower() == ".csv":
