@@ -176,7 +176,6 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
         if world is not None and world.size > 1:
             failfast.agree(world, None)
         dtype = getattr(torch, a.dtype)
-        geo = getattr(image, "geo", None)
         say = (lambda s: print(s, flush=True)) if rank == 0 else None
         if say is not None:
             shape = "x".join(map(str, image.shape))
@@ -184,7 +183,7 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
                 f"{plan.world_size} rank(s)")
         result = predict(model, plan, image, a.out, region=a.region, batch=a.batch,
                          output=a.output, dtype=dtype, comm=world, overwrite=a.overwrite,
-                         progress=not a.no_progress, settings=settings, geo=_geo_codes(geo),
+                         progress=not a.no_progress, settings=settings, geo=_geo_codes(image),
                          log=lambda s: print(s, flush=True))
     except USER_ERRORS as e:
         return _user_error(e, world)
@@ -201,14 +200,21 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
     return 0
 
 
-def _geo_codes(geo: Any) -> dict[int, Any] | None:
-    """The reader's GeoTIFF tags by tag code."""
+def _geo_codes(image: Any) -> dict[int, Any] | None:
+    """The reader's GeoTIFF tags by tag code, for the output; they describe level 0, so at
+    level k the pixel scale grows by the level's downsampling."""
+    geo = getattr(image, "geo", None)
     if not geo:
         return None
     from fxpar.io.images import GEO_TAGS
 
-    names = {v: k for k, v in GEO_TAGS.items()} if isinstance(GEO_TAGS, dict) else {}
-    return {(names.get(k, k) if isinstance(k, str) else int(k)): v for k, v in geo.items()}
+    codes = {name: code for code, (name, _) in GEO_TAGS.items()}
+    out = {codes[k]: v for k, v in geo.items() if k in codes}
+    if 33550 in out and image.level > 0:
+        fy, fx = (a / b for a, b in zip(image.levels[0][-2:], image.size[-2:], strict=True))
+        sx, sy, *rest = out[33550]
+        out[33550] = (sx * fx, sy * fy, *rest)
+    return out
 
 
 def _user_error(e: Exception, world: Comm | None) -> int:

@@ -49,6 +49,7 @@ from fxpar.core.geometry import Rect
 from fxpar.core.plan import Plan
 from fxpar.frontend.trace import trace
 from fxpar.io.errors import DataError
+from fxpar.io.images import to_tensor
 from fxpar.io.regions import Region, RegionGrid, batches, region_grid
 from fxpar.io.writers import PredictionStore
 
@@ -78,13 +79,6 @@ class ArrayImage:
         self.reads.append(window)
         part = self.array[(slice(None), *(slice(a, b) for a, b in window.dims))]
         return part.numpy() if isinstance(part, torch.Tensor) else np.asarray(part)
-
-
-def _tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if np.issubdtype(a.dtype, np.integer):
-        return t.to(dtype) / float(np.iinfo(a.dtype).max)
-    return t.to(dtype)
 
 
 def transform(out: torch.Tensor, kind: str) -> np.ndarray:
@@ -255,7 +249,7 @@ def predict(model: nn.Module, plan: Plan, image: Image | np.ndarray | torch.Tens
                     for j, g in enumerate(crops):
                         read = src.read(window.moved(tuple(-a for a, _ in g.crop.dims)))
                         x[(j, slice(None), *(slice(a, b) for a, b in window.dims))] = \
-                            _tensor(read, dtype)
+                            to_tensor(read, dtype)
                 y = rp.forward(x)
                 if rank != writer:
                     continue

@@ -160,7 +160,7 @@ def case_cli_writes_zarr_and_geotiff_equal_to_whole_image():
     x = torch.rand((3, 72, 104), generator=torch.Generator().manual_seed(5))
     pixels = (x * 255).round().to(torch.uint8)
     if comm.rank == 0:
-        torch.save(model.float().state_dict(), folder / "w.pt")
+        torch.save(model.state_dict(), folder / "w.pt")
         geo = [(33550, "d", 3, (0.5, 0.5, 0.0), True),
                (33922, "d", 6, (0.0, 0.0, 0.0, 500000.0, 4100000.0, 0.0), True),
                (34735, "H", 8, (1, 1, 0, 1, 1024, 0, 1, 1), True)]
