@@ -173,8 +173,8 @@ def test_a_margin_one_step_short_is_caught(monkeypatch):
 
     def short(*args, **kwargs):
         r = real(*args, **kwargs)
-        return Reach(r.image, r.out, r.step, r.scale, tuple(b - s for b, s in zip(r.before, r.step)),
-                     r.after)
+        short = tuple(b - s for b, s in zip(r.before, r.step, strict=True))
+        return Reach(r.image, r.out, r.step, r.scale, short, r.after)
 
     monkeypatch.setattr(predict_mod, "reach_model", short)
     with pytest.raises(ReachError, match="margins are wrong"):
