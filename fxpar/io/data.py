@@ -444,7 +444,10 @@ def whole_batch(source: BatchSource, step: int, shape: tuple[int, ...]) -> Batch
 
 
 def describe(source: Any) -> str:
-    """One line for the driver's start-up message."""
+    """One line for the driver's start-up message (a source's own ``describe()`` when it has
+    one: fxpar.io.samples)."""
+    if callable(getattr(source, "describe", None)):
+        return source.describe()
     if isinstance(source, FolderBatches):
         d = source.data
         return (f"data: {d.root} ({len(d)} {d.kind}s, {len(d.classes)} classes, "
