@@ -3,14 +3,16 @@ layer, pipeline, bidirectional (GEMS) and data-parallel training under MPI."""
 
 from fxpar.compiler.driver import compile
 from fxpar.compiler.planner import AutoPlan, plan_auto
+from fxpar.compiler.predict import Prediction, predict
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.version import __version__
 from fxpar.frontend.trace import TraceError, analyze, trace
 from fxpar.io.loader import load as load_program
 from fxpar.io.program import Program, RankProgram
 
-__all__ = ["compile", "plan_auto", "AutoPlan", "load_program", "Plan", "PlanError", "RankMap",
-           "Program", "RankProgram", "TraceError", "analyze", "trace", "__version__"]
+__all__ = ["compile", "plan_auto", "AutoPlan", "predict", "Prediction", "load_program", "Plan",
+           "PlanError", "RankMap", "Program", "RankProgram", "TraceError", "analyze", "trace",
+           "__version__"]
 
 # Importing fxpar changes nothing in the process: the fail-fast exception hook (an uncaught
 # exception on any rank ends the whole job) is installed by the rank programs made for MPI

@@ -71,6 +71,7 @@ from fxpar.comm.device import DeviceError
 from fxpar.compiler.draw import DotMissing, ExtraMissing
 from fxpar.compiler.passdriver import PassError
 from fxpar.compiler.profile import Profile, ProfileError
+from fxpar.compiler.receptive import ReachError, reach_model
 from fxpar.io import checkpoint as ckpt
 from fxpar.io.checkpoint import CheckpointError
 from fxpar.io.data import DataError, FolderBatches, ImageFolder
@@ -91,6 +92,7 @@ GROUPS: dict[str, str] = {
     "checkpoint": "Checkpoints",
     "data": "Data (fxpar-run --data)",
     "cli": "fxpar-run and fxpar-inspect command lines",
+    "predict": "Region-by-region inference (fxpar.predict, fxpar-predict)",
     "device": "Devices",
     "runtime": "Runtime failures under mpiexec",
 }
@@ -470,6 +472,38 @@ CATALOGUE: list[Entry] = [
           r"give --steps or --epochs, not both", "Give one of them.",
           lambda: run_setup(["torchvision:resnet18", "--data", images(), "--image-size",
                               "8", "--batch-size", "2", "--steps", "2", "--epochs", "1"])),
+    # region-by-region inference
+    Entry("predict-norm-over-image", "predict", "a model with GroupNorm / InstanceNorm",
+          ReachError, r"normalises each sample over the whole image",
+          "Use BatchNorm (eval mode: running statistics), or one region as large as the image.",
+          lambda: reach_model(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1),
+                                            nn.GroupNorm(2, 4)), 3, (64, 64))),
+    Entry("predict-global-mean", "predict", "a model with a global mean inside (squeeze-"
+          "excite, attention gates)", ReachError, r"reduces over the whole image",
+          "Run the whole image as one region, or predict with a model without global means.",
+          lambda: reach_model(_SqueezeExcite(), 3, (64, 64))),
+    Entry("predict-classifier", "predict", "a classifier (no spatial output) given to "
+          "fxpar-predict", ReachError, r"has no spatial dims \(a classifier\?\)",
+          "Predict maps with a segmentation model, or score a classifier's patches with "
+          "fxpar-run --val-data.", lambda: reach_model(nn.Sequential(
+              nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten()), 3, (64, 64))),
+    Entry("predict-align-corners", "predict", "bilinear interpolation with align_corners="
+          "True", ReachError, r"align_corners=True.*samples at",
+          "Interpolate with align_corners=False, or run one region.",
+          lambda: fxpar.predict(_AlignCorners(), Plan(), torch.zeros(3, 32, 32), region=8,
+                                progress=False)),
+    Entry("predict-output-format", "predict", "fxpar-predict's output is neither .zarr nor "
+          ".tif", DataError, r"write a \.zarr array or a \.tif",
+          "Name the output OUT.zarr or OUT.tif.",
+          lambda: _predict_cli(["mask.png"])),
+    Entry("predict-weights", "predict", "--weights that do not fit the model", DataError,
+          r"the weights do not fit",
+          "Build the model with the arguments it was trained with (e.g. --num-classes).",
+          lambda: _predict_cli(["mask.zarr", "--weights", _bad_weights()])),
+    Entry("predict-resume-settings", "predict", "an existing output from a run with other "
+          "settings", DataError, r"holds a prediction with other settings",
+          "Resume with the same settings, choose another output, or pass --overwrite.",
+          lambda: [_predict_cli(["mask.zarr", "--region", r]) for r in ("16", "32")]),
     # command lines
     Entry("cli-model-spec", "cli", "a model argument of no known form", ModelSpecError,
           r"model spec '[^']*': expected torchvision:NAME",
@@ -638,11 +672,54 @@ CATALOGUE: list[Entry] = [
 ]
 
 INTERNAL = {
+    "TooSmall": "raised by receptive.reach on a small image and caught by reach_model, which "
+                "analyses a larger probe (a model whose margins pass 16384 cells gets it)",
     "ScheduleError": "the schedule checks (compiler.simulate, compiler.lower): a bug in fxpar",
     "PictureError": "the base class of DotMissing and ExtraMissing (each has its entry)",
     "SavedOnly": "not an error: fxpar-run --save-program outside mpiexec ends after saving",
 }
 """Error classes defined in fxpar/ or passes/ that users do not meet as such, and why."""
+
+
+class _SqueezeExcite(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y * torch.sigmoid(y.mean((2, 3), keepdim=True))
+
+
+class _AlignCorners(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        return F.interpolate(F.max_pool2d(self.conv(x), 2), scale_factor=2, mode="bilinear",
+                             align_corners=True)
+
+
+def _predict_cli(args: list[str]) -> None:
+    """fxpar-predict on a small .npy image in the current folder, raising its error."""
+    from fxpar.cli import predict as cli
+
+    np_image = Path("image.npy")
+    if not np_image.exists():
+        import numpy as np
+
+        np.save(np_image, np.zeros((3, 32, 32), np.float32))
+    a = cli.parser().parse_args(["models:unet", str(np_image), *args[:1], "--num-classes",
+                                 "2", "-k", "base_channels=4", "--no-progress", *args[1:]])
+    model, plan, image, settings = cli.setup(a)
+    fxpar.predict(model, plan, image, a.out, region=a.region, progress=False,
+                  settings=settings)
+
+
+def _bad_weights() -> str:
+    torch.save({"conv.weight": torch.zeros(1)}, "w.pt")
+    return "w.pt"
 
 
 def scratch(fn: Callable[[], Any], folder: Path) -> BaseException:
