@@ -153,6 +153,22 @@ def test_a_segmentation_pass_in_one_process_reads_masks_whole(tmp_path):
     assert_metrics(ev.evaluate(rp, val, rp.input_window()), reference(model, x, y), "segment")
 
 
+@pytest.mark.parametrize("masks", [False, True], ids=["labels", "masks"])
+def test_a_pass_over_a_csv_of_labels_or_masks_equals_one_process(tmp_path, masks):
+    write_csv, csv_set = (load_case(f"{CASES_FILE}::{n}") for n in ("write_csv", "csv_set"))
+    build = load_case(f"{CASES_FILE}::{'tiny_segmenter' if masks else 'tiny_net'}")
+    torch.manual_seed(0)
+    model = build().double()
+    rp = fxpar.compile(model, fxpar.Plan(),
+                       torch.empty((2, 3, 16, 16), dtype=torch.float64, device="meta")).local()
+    csv = write_csv(tmp_path, 5, masks=masks)
+    val = ev.open_validation(csv, (2, 3, 16, 16), torch.float64, 3)
+    assert (val.task, val.samples, val.batches) == ("segment" if masks else "classify", 5, 3)
+    ev.check_output(val, ev.output_shape(rp.program))
+    x, y = csv_set(csv, 5)
+    assert_metrics(ev.evaluate(rp, val, rp.input_window()), reference(model, x, y), "CSV")
+
+
 # -- fxpar-run's flags --------------------------------------------------------------------------
 @pytest.mark.parametrize("extra, message", [
     (["--eval-every", "2"], "--eval-every need(s) --val-data PATH"),
@@ -164,12 +180,14 @@ def test_a_segmentation_pass_in_one_process_reads_masks_whole(tmp_path):
     (["--val-data", "SMALL"], "but --image-size is 16"),
     (["--val-data", "NOWHERE"], "--val-data "),
     (["--val-data", "VAL", "--num-classes", "2"], "has 3 classes but the model has 2"),
+    (["--val-data", "MASKS"], "has masks of 16x16 but the model's output is 2x10"),
 ])
 def test_bad_validation_flags_are_errors_before_training(tmp_path, capsys, extra, message):
     write_val(tmp_path / "val", n=3)
     write_val(tmp_path / "small", n=3, size=8)
     paths = {"VAL": tmp_path / "val", "SMALL": tmp_path / "small", "CK": tmp_path / "ck",
-             "NOWHERE": tmp_path / "nowhere"}
+             "NOWHERE": tmp_path / "nowhere",
+             "MASKS": load_case(f"{CASES_FILE}::write_csv")(tmp_path / "masks", 2)}
     argv = [f"{CASES_FILE}:tiny_net", "--image-size", "16", "--batch-size", "2", "--steps",
             "1", *(str(paths.get(a, a)) for a in extra)]
     assert run.main(argv) == 2

@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,11 +66,11 @@ from fxpar.io.data import (
     FolderBatches,
     ImageFolder,
     Synthetic,
-    describe,
     spatial_size,
 )
 from fxpar.io.evaluate import Validation, check_output, open_validation, output_shape
 from fxpar.io.program import _LAUNCHER_VARS, RankProgram
+from fxpar.io.samples import describe, open_source
 from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
 
 # (dest, flag, default) of the plan flags: defaults are applied after parsing, so a saved
@@ -119,9 +120,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where each rank computes: cuda binds rank r of a node to GPU r %% GPUs "
                    "(fxpar.comm.device); auto: cuda when available (default)")
-    p.add_argument("--data", type=Path, default=None, metavar="DIR",
+    p.add_argument("--data", type=Path, default=None, metavar="DIR|CSV",
                    help="folder DIR/<class>/<file> of images (.npy, PNG, JPEG, TIFF, NIfTI) "
-                   "or volumes (.npy, .nii, .nii.gz), all of --image-size; default: synthetic "
+                   "or volumes (.npy, .nii, .nii.gz), all of --image-size, or a CSV of "
+                   "image,label or image,mask rows (fxpar.io.samples); default: synthetic "
                    "data")
     p.add_argument("--no-shuffle", action="store_true", help="with --data: keep file order")
     p.add_argument("--log-every", type=int, default=None, metavar="K",
@@ -252,11 +254,17 @@ def _source(a: argparse.Namespace, shape: tuple[int, ...],
                             "use --steps")
         a.steps = 10 if a.steps is None else a.steps
         return Synthetic(shape, a.num_classes, dtype, a.seed)
-    data = ImageFolder.scan(a.data, tuple(shape[2:]), shape[1])
-    if len(data.classes) > a.num_classes:
-        raise DataError(f"--data {a.data} has {len(data.classes)} classes but the model has "
+    if a.data.suffix.lower() == ".csv":  # labels or masks listed in a CSV
+        src: Any = open_source(a.data, shape, dtype, a.seed, shuffle=not a.no_shuffle)
+        classes = len(src.data.classes)
+    else:
+        data = ImageFolder.scan(a.data, tuple(shape[2:]), shape[1])
+        classes = len(data.classes)
+    if classes > a.num_classes:
+        raise DataError(f"--data {a.data} has {classes} classes but the model has "
                         f"--num-classes {a.num_classes}: raise --num-classes")
-    src = FolderBatches(data, shape[0], dtype, a.seed, shuffle=not a.no_shuffle)
+    if a.data.suffix.lower() != ".csv":
+        src = FolderBatches(data, shape[0], dtype, a.seed, shuffle=not a.no_shuffle)
     if a.epochs is not None and a.steps is not None:
         raise DataError("give --steps or --epochs, not both")
     if a.epochs is not None:

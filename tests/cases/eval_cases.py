@@ -61,6 +61,32 @@ def write_val(root: Path, n: int = 7, size: int = SIZE, seed: int = 1) -> Path:
     return root
 
 
+def write_csv(root: Path, n: int, seed: int = 2, masks: bool = True) -> Path:
+    """``root/samples.csv`` of ``n`` float .npy images with .npy masks (or labels); returns
+    the CSV. Masks have a frequent class 2 on their first rows, so Dice differs by class."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    rows = ["image,mask" if masks else "image,label"]
+    for i in range(n):
+        np.save(root / f"img{i}.npy", rng.standard_normal((3, SIZE, SIZE)))
+        if masks:
+            mask = rng.integers(0, CLASSES, (SIZE, SIZE))
+            mask[:4] = 2
+            np.save(root / f"mask{i}.npy", mask)
+        rows.append(f"img{i}.npy,mask{i}.npy" if masks else f"img{i}.npy,{i % CLASSES}")
+    (root / "samples.csv").write_text("\n".join(rows) + "\n")
+    return root / "samples.csv"
+
+
+def csv_set(csv: Path, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CSV's images and masks (or labels), read directly with numpy, in row order."""
+    x = torch.stack([torch.from_numpy(np.load(csv.parent / f"img{i}.npy")) for i in range(n)])
+    if (csv.parent / "mask0.npy").exists():
+        return x, torch.stack([torch.from_numpy(np.load(csv.parent / f"mask{i}.npy"))
+                               for i in range(n)]).long()
+    return x, torch.tensor([i % CLASSES for i in range(n)])
+
+
 def folder_set(root: Path, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every image of the folder, in the order the eval pass reads them, and the labels."""
     data = ImageFolder.scan(root, SIZE, 3)
@@ -241,4 +267,45 @@ def case_fxpar_run_validates_prints_writes_metrics_and_keeps_the_best():
               flush=True)
         assert json.loads(json.dumps(best["extra"]["eval"])) == first_best
         assert "best: step" in text
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def case_fxpar_run_segmentation_from_csv_masks_keeps_the_best_dice():
+    from fxpar.io.checkpoint import export, read_manifest
+
+    comm = sub_comm(2)
+    if comm is None:
+        return
+    name = tempfile.mkdtemp(prefix="fxpar-eval-") if comm.rank == 0 else None
+    root = Path(comm.bcast_object(name))
+    if comm.rank == 0:
+        write_csv(root / "train", 4, seed=3)
+        write_csv(root / "val", 5, seed=4)
+    comm.barrier()
+    argv = [f"{HERE}:tiny_segmenter", "--image-size", str(SIZE), "--batch-size", "2",
+            "--dtype", "float64", "--data", str(root / "train" / "samples.csv"), "--steps",
+            "3", "--lr", "0.2", "--num-classes", str(CLASSES), "--spatial-parts", "2",
+            "--val-data", str(root / "val" / "samples.csv"), "--eval-every", "1",
+            "--checkpoint", str(root / "ck"), "--best-metric", "dice",
+            "--metrics", str(root / "m.json")]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert fxpar_run(argv, comm=comm) == 0
+    comm.barrier()
+    if comm.rank == 0:
+        text = out.getvalue()
+        lines = [ln for ln in text.splitlines() if ln.startswith("eval ")]
+        assert len(lines) == 3 and all("dice" in ln and "iou" in ln for ln in lines), text
+        evals = load_metrics(root / "m.json")["eval"]
+        assert [e["step"] for e in evals] == [1, 2, 3] and evals[0]["pixels"] == 5 * SIZE**2
+        x, y = csv_set(root / "val" / "samples.csv", 5)
+        model = tiny_segmenter().double()
+        model.load_state_dict(export(root / "ck"))
+        print(assert_metrics(evals[-1], reference(model, x, y), "fxpar-run CSV masks step 3"))
+        best = read_manifest(root / "ck" / "best")
+        top = max(evals, key=lambda e: e["dice"])
+        assert best["step"] == top["step"] and best["extra"]["best_metric"] == "dice"
+        model.load_state_dict(export(root / "ck" / "best"))
+        print(assert_metrics(best["extra"]["eval"], reference(model, x, y), "CSV DIR/best"),
+              flush=True)
         shutil.rmtree(root, ignore_errors=True)
