@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fxpar.core.geometry import Rect
 from fxpar.io.data import Batch, DataError
 from fxpar.io.evaluate import BEST, SEGMENT_ONLY, Validation, better, evaluate, line
 from fxpar.io.metrics import Recorder, gather, table, write_metrics
@@ -73,7 +74,7 @@ class Evals:
     """The evals of one run, in order, and the best so far (``--best-metric``)."""
 
     val: Validation
-    window: Any
+    window: Rect | None
     metric: str = "loss"
     history: list[dict[str, Any]] = field(default_factory=list)
     best: float | None = None

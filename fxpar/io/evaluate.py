@@ -8,7 +8,8 @@ samples, and count shared rows several times. So exactly one rank contributes ea
 chunk -- the rank holding tile 0 of the last stage of the (replica, copy) that computed it
 (:func:`contributed_rows`) -- with float64 *sums* over its rows: the loss summed over the
 elements the loss averages over (samples; pixels for a segmentation loss, as
-``F.cross_entropy`` averages), the correct predictions, the sample count and, for
+``F.cross_entropy`` averages: the program's loss_fn is taken to be such a mean, its value
+times the element count being the sum), the correct predictions, the sample count and, for
 segmentation, per class the intersection, predicted and target pixel counts. Every other rank
 adds zeros. One allreduce (sum) of that vector at the end of the pass gives every rank the
 same totals, from which :func:`summarize` derives the metrics: the same numbers one process
