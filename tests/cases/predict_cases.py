@@ -206,3 +206,42 @@ def case_rank_windows_are_tiles_of_each_crop():
     whole = Rect.whole((64, 64))
     assert sum(r.size for r in image.reads) < 0.6 * sum(r.crop.size for r in got.grid.regions())
     assert all(r.intersect(whole) == r for r in image.reads)
+
+
+def case_ranks_read_only_the_tiff_tiles_of_their_windows():
+    """A tiled TIFF read with byte counting: each rank reads at most the stored bytes of the
+    tiles its windows touch (plus the header), a fraction of what the crops hold, and the
+    result equals the whole image."""
+    import tifffile
+
+    from fxpar.io.images import open_image
+
+    comm = world()
+    folder = _tmp(comm)
+    x = torch.rand((3, 96, 128), generator=torch.Generator().manual_seed(7))
+    pixels = (x * 255).round().to(torch.uint8)
+    path = folder / "tiles.tif"
+    if comm.rank == 0:
+        tifffile.imwrite(path, pixels.permute(1, 2, 0).numpy(), tile=(16, 16),
+                         photometric="rgb", compression="zlib")
+    comm.barrier()
+    with tifffile.TiffFile(path) as tif:
+        page = tif.pages[0]
+        stored, nx = page.databytecounts, -(-page.imagewidth // page.tilewidth)
+    model = small_unet()
+    with open_image(path, counting=True) as image:
+        got = predict(model, fxpar.Plan(spatial_parts=4), image, None, region=32,
+                      dtype=torch.float64, comm=comm, progress=False)
+        bound = 0
+        for w in image.stats.windows:
+            (y0, y1), (x0, x1) = w.dims
+            bound += sum(stored[ty * nx + tx] for ty in range(y0 // 16, (y1 - 1) // 16 + 1)
+                         for tx in range(x0 // 16, (x1 - 1) // 16 + 1))
+        read = image.stats.bytes - image.stats.header
+        assert 0 < read <= bound + 4096, (read, bound)
+        crops = sum(r.crop.size for r in got.grid.regions())
+        assert sum(w.size for w in image.stats.windows) < 0.6 * crops
+    if got.output is not None:
+        ref = _reference(model, pixels.double() / 255)
+        assert (torch.from_numpy(got.output) - ref).abs().max().item() < ATOL
+    comm.barrier()
