@@ -88,7 +88,7 @@ def test_targets_that_do_not_fit_the_output_are_a_clear_error(y, message):
     fxpar.Plan(data_parallel=2, spatial_parts=2), fxpar.Plan(stages=2, gems=True),
     fxpar.Plan(stages=3, gems=True, data_parallel=2), fxpar.Plan(stages=2, gems=True,
                                                                  gems_times=2),
-], ids=str)
+], ids=["one rank", "SP2+PP2", "SP2+DP2", "GEMS", "GEMS+DP2", "GEMS x2 rounds"])
 def test_each_row_is_scored_by_exactly_one_rank_that_holds_the_last_stage(plan):
     program = fxpar.compile(tiny_net(), plan, torch.empty((8, 3, 16, 16), device="meta"))
     rows = []
