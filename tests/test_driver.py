@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 import fxpar
@@ -218,6 +219,25 @@ def test_input_window_is_the_tile_plus_halo_clipped_or_whole_or_none():
     gems = fxpar.compile(tiny_net(), fxpar.Plan(stages=2, spatial_parts=2, gems=True), example)
     # rank 2 holds stage 1 of copy 0 and tile 0 of stage 0 of the mirror copy
     assert gems.for_rank(2).input_window() == Rect((0, 20), (0, 11))
+
+
+def test_target_window_is_the_output_tile_whole_or_not_needed():
+    """What part of a mask each rank's loss reads: its output tile when the output stays
+    tiled, all of it after a join, nothing on ranks without the last stage."""
+    seg = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.Conv2d(4, 2, 1))
+    example = torch.empty((4, 3, 20, 20), device="meta")
+    loss = lambda out, y: F.cross_entropy(out, y)  # noqa: E731
+    sp = fxpar.compile(seg, fxpar.Plan(spatial_parts=4), example, loss_fn=loss)
+    got = [sp.for_rank(r).target_window() for r in range(4)]
+    assert got == [Rect((0, 10), (0, 10)), Rect((0, 10), (10, 20)), Rect((10, 20), (0, 10)),
+                   Rect((10, 20), (10, 20))]
+    lp = fxpar.compile(seg, fxpar.Plan(stages=2, spatial_parts=2), example, loss_fn=loss)
+    ranks = [lp.for_rank(r) for r in range(3)]
+    assert [rp.needs_targets for rp in ranks] == [False, False, True]
+    assert ranks[2].target_window() is None  # stage 1 is not spatial: the whole mask
+    gems = fxpar.compile(seg, fxpar.Plan(spatial_parts=2, gems=True), example, loss_fn=loss)
+    assert gems.for_rank(0).target_window() == Rect((0, 20), (0, 20))  # tiles 0 and 1
 
 
 def test_input_window_of_a_program_loaded_from_disk(tmp_path):

@@ -127,6 +127,16 @@ def test_csv_masks(tmp_path):
     assert torch.equal(y[0], torch.from_numpy(mask0[10:10 + H, 30:30 + W].astype(np.int64)))
     assert torch.equal(y[1], torch.from_numpy(mask1[8:8 + H, 16:16 + W].astype(np.int64)))
     torch.testing.assert_close(x[1], torch.from_numpy(s1[1][:, 8:8 + H, 16:16 + W] / 255).float())
+    # a rank's loss reads only its output tile of each mask; a rank without the loss none
+    src.reads = []
+    for box in tiles((H, W), Grid(2, 2), halo=0):
+        _, yt = src.batch(0, None, box)
+        where = (slice(None), *(slice(a, b) for a, b in box.dims))
+        assert torch.equal(yt[where], y[where])
+        assert [r for _, r in src.reads] == [box.moved((-10, -30)), box.moved((-8, -16))]
+        src.reads = []
+    assert src.batch(0, None, targets=False) == (None, None) and src.reads == []
+    src.reads = None
     # two channels, a Zarr image with a Zarr mask pyramid
     (tmp_path / "z.csv").write_text("image,mask,level,y,x\nz.zarr,zmask.zarr,0,6,20\n")
     src = open_source(tmp_path / "z.csv", (1, 2, H, W), shuffle=False, fill=float("nan"))

@@ -24,6 +24,7 @@ from fxpar.io.data import Batch, DataError
 from fxpar.io.evaluate import BEST, SEGMENT_ONLY, Validation, better, evaluate, line
 from fxpar.io.metrics import Recorder, gather, table, write_metrics
 from fxpar.io.program import RankProgram
+from fxpar.io.samples import SampleBatches
 
 if TYPE_CHECKING:
     from fxpar.cli.run import Job
@@ -173,6 +174,16 @@ def checkpoint(rp: RankProgram, a: argparse.Namespace, n: int) -> None:
             print(f"checkpoint: step {n} -> {a.checkpoint}", flush=True)
 
 
+def _batches(job: Job) -> Callable[[int], Batch]:
+    """Step -> this rank's batch: its input window of each image and, from a sample set with
+    masks, only the part of each mask its loss reads (none on a rank without the loss)."""
+    src, rp = job.source, job.rp
+    if isinstance(src, SampleBatches):
+        target, needed = rp.target_window(), rp.needs_targets
+        return lambda step: src.batch(step, job.window, target, needed)
+    return lambda step: src.batch(step, job.window)
+
+
 def run(job: Job, a: argparse.Namespace, start: int) -> dict[str, Any] | None:
     """Collective: train from step ``start`` with validation and checkpoints after each step as
     due (a run with no step left validates once), then :func:`finish`."""
@@ -185,7 +196,7 @@ def run(job: Job, a: argparse.Namespace, start: int) -> dict[str, Any] | None:
             evals.run(rp, a, n)
         checkpoint(rp, a, n)
 
-    rec = train(rp, lambda step: job.source.batch(step, job.window), a, start, after)
+    rec = train(rp, _batches(job), a, start, after)
     if evals is not None and not evals.history:
         evals.run(rp, a, max(start, a.steps))
     return finish(job, rec, a, None if evals is None else evals.history)

@@ -244,8 +244,9 @@ def predict(model: nn.Module, plan: Plan, image: Image | np.ndarray | torch.Tens
         try:
             for group in batches(mine, batch):
                 crops = group + [group[-1]] * (batch - len(group))
-                x = torch.zeros((batch, channels, *shape), dtype=dtype)
-                if window is not None:
+                x = None  # a rank that reads no input (a later stage) passes None
+                if window is not None:  # only the window is ever touched: the rest of the
+                    x = torch.empty((batch, channels, *shape), dtype=dtype)  # crop costs no RAM
                     for j, g in enumerate(crops):
                         read = src.read(window.moved(tuple(-a for a, _ in g.crop.dims)))
                         x[(j, slice(None), *(slice(a, b) for a, b in window.dims))] = \

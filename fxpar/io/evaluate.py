@@ -266,12 +266,11 @@ def evaluate(rp: RankProgram, val: Validation, window: Rect | None) -> dict[str,
     size = val.shape[0]
     mine = contributed_rows(rp.program, rp.rank, size)
     total = torch.zeros(width(val.task, val.classes), dtype=torch.float64)
-    empty = torch.empty((size, 0), dtype=val.dtype)  # a rank that reads no input
     rp.eval()
     try:
         for b in range(val.batches):
             x, y, valid = read_batch(val, b, window, window is not None, bool(mine))
-            out = rp.forward(x if x is not None else empty)
+            out = rp.forward(x)
             for lo, hi in mine:
                 if out is None or y is None:
                     raise RuntimeError(f"rank {rp.rank} holds the last stage but got no "

@@ -428,6 +428,26 @@ class RankProgram:
 
         return input_window(self, image)
 
+    @property
+    def needs_targets(self) -> bool:
+        """Whether this rank computes the loss (holds the last stage): only those ranks read
+        the targets ``y``; the others may pass None to :meth:`train_step`."""
+        return self.plan.stages - 1 in {s for _, s in self.stages}
+
+    def target_window(self) -> Rect | None:
+        """The box of a per-pixel target (a mask of the input's size) this rank's loss reads:
+        its output tiles when the output stays tiled (bounding box over its roles), None when
+        it reads the whole target (a non-spatial last stage) or none (:attr:`needs_targets` is
+        False). A loader need read only this part of each mask."""
+        info, tiling = self.program.spatial, self.runtime.tiling
+        last = self.plan.stages - 1
+        if not self.needs_targets or info is None or tiling is None or not info.out_tiled \
+                or not tiling.spatial(last):
+            return None
+        rects = [tiling.rect(info.out_extent, t) for t in tiling.tiles.values()]
+        return Rect(*((min(r.dims[i][0] for r in rects), max(r.dims[i][1] for r in rects))
+                      for i in range(rects[0].ndim)))
+
     def _check_batch(self, x: torch.Tensor | None) -> int:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}'s program was closed: build another with "
@@ -445,12 +465,15 @@ class RankProgram:
                 f"program.local() (program.for_rank(r) without comm= is for inspection)")
         return self.plan.chunks()
 
-    def forward(self, x: torch.Tensor) -> Any:
+    def forward(self, x: torch.Tensor | None) -> Any:
         """Inference on ``x`` with the modules' current mode; the output (concatenated over
-        micro-batches) on the last stage's ranks, None elsewhere."""
+        micro-batches) on the last stage's ranks, None elsewhere. x: None on a rank whose
+        :meth:`input_window` is None (as for :meth:`train_step`)."""
+        self._check_omitted(x, 0)
         n = self._check_batch(x)
         x = self._on_device(x)
-        state = StepState(list(torch.tensor_split(x, n)), [None] * n, scale=1.0, train=False)
+        xs = [None] * n if x is None else list(torch.tensor_split(x, n))
+        state = StepState(xs, [None] * n, scale=1.0, train=False)  # type: ignore[arg-type]
         actions = [a for a in self.program.schedule[self.rank]
                    if a.kind in ("F", "SEND_F", "RECV_F")]
         self.groups.bind()

@@ -284,9 +284,14 @@ class SampleBatches:
             self._order = (epoch, epoch_order(len(self.data), epoch, self.seed, self.shuffle))
         return self._order[1][k * self.batch_size:(k + 1) * self.batch_size]
 
-    def batch(self, step: int, window: Rect | None) -> Batch:
+    def batch(self, step: int, window: Rect | None, target: Rect | None = None,
+              targets: bool = True) -> Batch:
+        """The batch of ``step``: only ``window`` of each image filled (x None when the window
+        is None); y the labels, or the masks: only ``target`` of each (the box the rank's loss
+        reads, ``RankProgram.target_window``; None: all of it), or None when not ``targets``
+        (a rank that computes no loss, ``RankProgram.needs_targets``)."""
         samples = [self.data.samples[i] for i in self.indices(step)]
-        y = self._labels(samples)
+        y = self._labels(samples, target) if targets else None
         if window is None:
             return None, y
         size = self.data.size
@@ -309,17 +314,22 @@ class SampleBatches:
                 out.copy_(to_tensor(a, self.dtype))
         return x, y
 
-    def _labels(self, samples: list[Sample]) -> torch.Tensor:
+    def _labels(self, samples: list[Sample], target: Rect | None = None) -> torch.Tensor:
         if self.data.task == "classify":
             return torch.tensor([s.label for s in samples], dtype=torch.int64)
         y = torch.empty((len(samples), *self.data.size), dtype=torch.int64)
+        box = Rect.whole(self.data.size) if target is None else target
+        where = tuple(slice(a, b) for a, b in box.dims)
         for k, s in enumerate(samples):
             assert s.mask is not None
-            a = self.readers(s.mask, s.mask_level, True).read(s.region(self.data.size))[0]
+            inside = box.moved(tuple(-o for o in s.origin))  # the mask's coordinates
+            a = self.readers(s.mask, s.mask_level, True).read(inside)[0]
+            if self.reads is not None:
+                self.reads.append((s.mask, inside))
             if a.dtype.kind == "f" and not np.array_equal(a, np.round(a)):
                 raise DataError(f"{self.data._where(s)}: column 'mask': {s.mask} holds "
                                 f"fractions; a mask holds integer class indices")
-            y[k] = torch.from_numpy(a.astype(np.int64))
+            y[(k, *where)] = torch.from_numpy(a.astype(np.int64))
         return y
 
     def describe(self) -> str:

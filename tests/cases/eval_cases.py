@@ -298,9 +298,24 @@ def case_fxpar_run_segmentation_from_csv_masks_keeps_the_best_dice():
         assert len(lines) == 3 and all("dice" in ln and "iou" in ln for ln in lines), text
         evals = load_metrics(root / "m.json")["eval"]
         assert [e["step"] for e in evals] == [1, 2, 3] and evals[0]["pixels"] == 5 * SIZE**2
+        # training read only each rank's tile of the masks and still trained like one process
+        from fxpar.io.samples import open_source
+
+        torch.manual_seed(0)  # fxpar-run's --seed
+        ref = tiny_segmenter(CLASSES).double()
+        opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+        train = open_source(root / "train" / "samples.csv", (2, 3, SIZE, SIZE), torch.float64)
+        for step in range(3):
+            xs, ys = train.batch(step, Rect.whole((SIZE, SIZE)))
+            opt.zero_grad()
+            F.cross_entropy(ref(xs), ys).backward()
+            opt.step()
+        trained = export(root / "ck")
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(trained[name], value, rtol=1e-9, atol=1e-11)
         x, y = csv_set(root / "val" / "samples.csv", 5)
         model = tiny_segmenter().double()
-        model.load_state_dict(export(root / "ck"))
+        model.load_state_dict(trained)
         print(assert_metrics(evals[-1], reference(model, x, y), "fxpar-run CSV masks step 3"))
         best = read_manifest(root / "ck" / "best")
         top = max(evals, key=lambda e: e["dice"])
