@@ -39,16 +39,23 @@ are class indices and never scaled (fxpar.io.samples).
 
 from __future__ import annotations
 
-import io
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from fxpar.core.geometry import Rect
+from fxpar.io import image_formats
 from fxpar.io.errors import DataError
+from fxpar.io.image_base import (  # noqa: F401 - re-exported: fxpar.io.images is the API
+    _PIL_MODE,
+    CountingFile,
+    ImageReader,
+    ReadStats,
+    _fmt,
+    to_tensor,
+)
 
 TIFF = (".tif", ".tiff", ".svs", ".ndpi", ".btf", ".tf8", ".tf2", ".qptiff", ".gtiff", ".scn",
         ".bif")
@@ -64,52 +71,6 @@ GEO_TAGS = {33550: ("ModelPixelScaleTag", 12), 33922: ("ModelTiepointTag", 12),
             34736: ("GeoDoubleParamsTag", 12), 34737: ("GeoAsciiParamsTag", 2)}
 """GeoTIFF tags: code -> (tifffile's name, TIFF data type), as :func:`geo_extratags` writes."""
 _IMAGES_PIP = "pip install 'fxpar[images]' (tifffile, zarr, imagecodecs)"
-_PIL_MODE = {1: "L", 3: "RGB", 4: "RGBA"}
-
-
-@dataclass
-class ReadStats:
-    """What a reader has read so far: its windows, the bytes (``counting=True``; headers
-    included, ``header`` of them while opening) and the storage tiles / chunks touched."""
-
-    windows: list[Rect] = field(default_factory=list)
-    bytes: int = 0
-    tiles: int = 0
-    header: int = 0
-
-
-class CountingFile(io.RawIOBase):
-    """A read-only file that counts the bytes read through it, handed to tifffile / PIL so the
-    bytes a window costs are measured at the file handle rather than estimated. It has no
-    ``fileno``, so tifffile cannot memory-map around it."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__()
-        self._f = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by close())
-        self.name = str(path)
-        self.count = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        return self._f.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def readinto(self, buffer: Any) -> int:
-        n = self._f.readinto(buffer) or 0
-        self.count += n
-        return n
-
-    def close(self) -> None:
-        if not self.closed:
-            self._f.close()
-        super().close()
 
 
 # -- axes ---------------------------------------------------------------------------------------
@@ -172,66 +133,6 @@ def _guess(shape: tuple[int, ...], ndim: int | None, path: Path) -> _Axes:
 
 
 # -- readers ------------------------------------------------------------------------------------
-class ImageReader:
-    """One image at one pyramid level. ``shape`` is (C, *spatial) at ``level``; ``levels`` the
-    spatial size of every level (level 0 first); ``geo`` the GeoTIFF tags (tag name -> value,
-    see :func:`geo_extratags`) of level 0, None for other files. Subclasses implement
-    ``_read``; :meth:`read` checks the window and keeps the accounting."""
-
-    def __init__(self, path: Path, level: int, levels: tuple[tuple[int, ...], ...],
-                 channels: int, dtype: np.dtype, geo: dict[str, Any] | None = None) -> None:
-        self.path, self.levels, self.geo = path, levels, geo
-        if not 0 <= level < len(levels):
-            sizes = ", ".join(f"{k}: {_fmt(s)}" for k, s in enumerate(levels))
-            raise DataError(f"{path}: no pyramid level {level}; the file has {len(levels)} "
-                            f"level(s) ({sizes}): give a level from 0 to {len(levels) - 1}")
-        self.level = level
-        self.shape: tuple[int, ...] = (channels, *levels[level])
-        self.dtype = np.dtype(dtype)
-        self.stats = ReadStats()
-        self._counter: Any = None  # something with .count: the bytes read so far
-
-    @property
-    def size(self) -> tuple[int, ...]:
-        """The spatial size at this level: (H, W) or (D, H, W)."""
-        return self.shape[1:]
-
-    def read(self, window: Rect) -> np.ndarray:
-        """``window`` (this level's coordinates) as a (C, *window.shape) array of the stored
-        dtype."""
-        image = Rect.whole(self.size)
-        if window.ndim != len(self.size) or window.intersect(image) != window:
-            raise DataError(f"{self.path}: window {window} is outside the "
-                            f"{_fmt(self.size)} image at level {self.level}: read inside "
-                            f"{image} (a sample's region must lie inside its image)")
-        a = self._read(window)
-        self.stats.windows.append(window)
-        if self._counter is not None:
-            self.stats.bytes = self._counter.count
-        return a
-
-    def _read(self, window: Rect) -> np.ndarray:
-        raise NotImplementedError
-
-    def _opened(self) -> None:
-        """Call at the end of opening: what was read so far is the header."""
-        if self._counter is not None:
-            self.stats.bytes = self.stats.header = self._counter.count
-
-    def close(self) -> None:
-        """Close the file (readers keep it open between reads)."""
-
-    def __enter__(self) -> ImageReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}({str(self.path)!r}, level={self.level}, "
-                f"shape={self.shape}, dtype={self.dtype})")
-
-
 def _touched(shape: tuple[int, ...], chunks: tuple[int, ...], index: tuple[Any, ...]) -> int:
     """How many chunks of an array the index (ints and slices) touches."""
     n = 1
@@ -386,102 +287,6 @@ class NpyReader(ImageReader):
         self._a = None  # type: ignore[assignment]  # drops the mapping
 
 
-class PilReader(ImageReader):
-    """PNG / JPEG through PIL: the whole file is decoded, then cropped. ``channels`` converts
-    (to L, RGB or RGBA, as fxpar.io.data does); ``mask`` keeps a palette image's indices."""
-
-    def __init__(self, path: Path, level: int, counting: bool, channels: int | None,
-                 mask: bool) -> None:
-        from PIL import Image, UnidentifiedImageError
-
-        f = CountingFile(path) if counting else path
-        try:
-            with Image.open(f) as im:
-                self._mode = im.mode if mask else _pil_mode(im.mode, len(im.getbands()),
-                                                            channels)
-                probe = np.asarray(Image.new(self._mode, (1, 1)))
-                size = im.size
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
-            raise DataError(f"{path}: not a readable image ({e}); store large images as "
-                            f"tiled TIFF or Zarr") from None
-        finally:
-            if isinstance(f, CountingFile):
-                f.close()
-        super().__init__(path, level, ((size[1], size[0]),),
-                         probe.shape[2] if probe.ndim == 3 else 1, probe.dtype)
-        self._counting = counting
-        if isinstance(f, CountingFile):
-            self.stats.bytes = self.stats.header = f.count
-
-    def _read(self, window: Rect) -> np.ndarray:
-        from PIL import Image
-
-        (h0, h1), (w0, w1) = window.h, window.w
-        f = CountingFile(self.path) if self._counting else self.path
-        try:
-            with Image.open(f) as im:  # decodes the whole file (see the module doc)
-                if im.mode != self._mode:
-                    im = im.convert(self._mode)
-                a = np.asarray(im.crop((w0, h0, w1, h1)))
-        finally:
-            if isinstance(f, CountingFile):
-                self.stats.bytes += f.count
-                f.close()
-        self.stats.tiles += 1
-        return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
-
-
-def _pil_mode(mode: str, bands: int, channels: int | None) -> str:
-    if channels is not None and (channels != bands or mode in ("P", "1")) \
-            and channels in _PIL_MODE:
-        return _PIL_MODE[channels]
-    return {"P": "RGBA" if bands == 4 else "RGB", "1": "L", "LA": "RGBA"}.get(mode, mode)
-
-
-class OpenSlideReader(ImageReader):
-    """An OpenSlide format through openslide-python (see the module doc)."""
-
-    def __init__(self, path: Path, level: int) -> None:
-        try:
-            import openslide
-        except ImportError:
-            raise DataError(f"{path}: {path.suffix} slides are read through OpenSlide: pip "
-                            f"install openslide-python openslide-bin (or convert the slide "
-                            f"to a pyramidal OME-TIFF)") from None
-        try:
-            self._slide = openslide.OpenSlide(str(path))
-        except Exception as e:  # noqa: BLE001 (OpenSlideError and friends)
-            raise DataError(f"{path}: OpenSlide cannot read it ({e})") from None
-        levels = tuple((int(h), int(w)) for w, h in self._slide.level_dimensions)
-        super().__init__(path, level, levels, 3, np.dtype(np.uint8))
-        self._down = float(self._slide.level_downsamples[level])
-
-    def _read(self, window: Rect) -> np.ndarray:
-        (h0, h1), (w0, w1) = window.h, window.w
-        origin = (round(w0 * self._down), round(h0 * self._down))  # level-0 coordinates
-        rgba = np.asarray(self._slide.read_region(origin, self.level, (w1 - w0, h1 - h0)))
-        rgb = np.where(rgba[..., 3:] == 0, np.uint8(255), rgba[..., :3])
-        return rgb.transpose(2, 0, 1)
-
-    def close(self) -> None:
-        self._slide.close()
-
-
-class NiftiReader(ImageReader):
-    """A NIfTI volume (or 2-D image) through fxpar.io.volumes; values as float64."""
-
-    def __init__(self, path: Path, level: int, ndim: int | None) -> None:
-        from fxpar.io import volumes
-
-        self._volumes = volumes
-        size, channels = volumes.nifti_header(path, ndim or 3)
-        super().__init__(path, level, (size,), channels, np.dtype(np.float64))
-
-    def _read(self, window: Rect) -> np.ndarray:
-        self.stats.tiles += 1
-        return self._volumes.nifti_window(self.path, window, self.shape[0])
-
-
 # -- opening ------------------------------------------------------------------------------------
 def open_image(path: str | Path, level: int = 0, *, counting: bool = False,
                ndim: int | None = None, channels: int | None = None,
@@ -506,17 +311,17 @@ def open_image(path: str | Path, level: int = 0, *, counting: bool = False,
         except DataError as e:
             if "no pyramid level" in str(e):
                 raise
-            return OpenSlideReader(path, level)
+            return image_formats.OpenSlideReader(path, level)
     if suffix in TIFF:
         return TiffReader(path, level, counting, ndim)
     if suffix in OPENSLIDE:
-        return OpenSlideReader(path, level)
+        return image_formats.OpenSlideReader(path, level)
     if suffix in NPY:
         return NpyReader(path, level, counting, ndim)
     if suffix in PIL_FORMATS:
-        return PilReader(path, level, counting, channels, mask)
+        return image_formats.PilReader(path, level, counting, channels, mask)
     if suffix in NIFTI:
-        return NiftiReader(path, level, ndim)
+        return image_formats.NiftiReader(path, level, ndim)
     raise DataError(f"{path}: unknown image format {suffix or '(no extension)'!r}: give one of "
                     f"{', '.join(FORMATS)} (or a Zarr folder)")
 
@@ -528,19 +333,6 @@ def _module(name: str) -> Any:
     except ImportError:
         raise DataError(f"reading tiled / pyramidal images needs {name}: "
                         f"{_IMAGES_PIP}") from None
-
-
-def _fmt(size: tuple[int, ...]) -> str:
-    return "x".join(map(str, size))
-
-
-def to_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """An image window as a tensor of ``dtype``: integers scaled to [0, 1] by their dtype's
-    maximum (as fxpar.io.data), booleans to 0 / 1, floats as they are. Not for masks."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if a.dtype.kind in "iu":
-        return t.to(dtype) / float(np.iinfo(a.dtype).max)
-    return t.to(dtype)
 
 
 def geo_extratags(geo: dict[str, Any] | None) -> list[tuple[int, int, int, Any, bool]]:
