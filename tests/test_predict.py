@@ -163,6 +163,47 @@ def test_volume_equals_the_whole_volume():
     assert got.regions == 3 * 5 * 5
 
 
+class Islands(nn.Module):
+    """Per-pixel blocks in other layouts: a ConvNeXt block (channels-last LayerNorm and
+    Linear), an FPN merge (torch.stack of same-shape maps, then a sum), in-place Dropout2d."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.dw = nn.Conv2d(8, 8, 7, padding=3, groups=8)
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8)
+        self.down = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.drop = nn.Dropout2d(0.2, inplace=True)
+        self.head = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        x = self.conv(x)
+        y = self.fc(self.norm(self.dw(x).permute(0, 2, 3, 1))).permute(0, 3, 1, 2) + x
+        up = F.interpolate(self.down(y), scale_factor=2, mode="nearest")
+        merged = torch.stack([y, up]).sum(0)
+        return self.head(self.drop(merged))
+
+
+def test_islands_and_inplace_dropout_equal_the_whole_image():
+    m = Islands().double().eval()
+    x = _x(3, 60, 84, seed=7)
+    r = reach_model(m, 3, (60, 84))
+    assert r.step == (2, 2) and r.before[0] >= 5  # the 3x3 and the 7x7 at least
+    got = predict(m, fxpar.Plan(), x, region=16, dtype=torch.float64, progress=False)
+    assert np.abs(got.output - _whole(m, x).numpy()).max() < 1e-12
+
+
+def test_one_region_as_large_as_the_image_takes_any_model():
+    """Global means and norms over the image cannot be cut into regions, but one region that
+    is the whole image is exact (the compiled plan still splits it over the ranks)."""
+    m = nn.Sequential(SqueezeExcite(), nn.GroupNorm(2, 4), nn.Conv2d(4, 2, 1)).double().eval()
+    x = _x(3, 40, 48, seed=8)
+    got = predict(m, fxpar.Plan(), x, region=64, dtype=torch.float64, progress=False)
+    assert got.regions == 1 and got.shapes == [(40, 48)]
+    assert np.abs(got.output - _whole(m, x).numpy()).max() < 1e-12
+
+
 def test_a_margin_one_step_short_is_caught(monkeypatch):
     """The harness: with a margin one step too small (less is absorbed by aligning the crops
     to the step), the coverage check says so; skipping that check, the output differs from

@@ -185,11 +185,20 @@ def predict(model: nn.Module, plan: Plan, image: Image | np.ndarray | torch.Tens
     channels, *size = src.shape
     model = model.to(dtype).eval()
     whole = trace(model, (1, channels, *size))
-    r = reach_model(model, channels, tuple(size), whole)
-    grid = region_grid(tuple(size), region, r.step, r.scale, r.before, r.after,
-                       output_extent(whole))
+    out_size = output_extent(whole)
+    sizes = (region,) * len(size) if isinstance(region, int) else tuple(region)
+    if all(r >= e for r, e in zip(sizes, size, strict=True)):
+        # one region, the whole image: exact for any model the compiler splits (global means
+        # and norms over the image included), nothing to check
+        ones = (1,) * len(size)
+        r = Reach(tuple(size), out_size, ones, tuple(Fraction(o, e) for o, e in zip(
+            out_size, size, strict=True)), (0,) * len(size), (0,) * len(size))
+    else:
+        r = reach_model(model, channels, tuple(size), whole)
+    grid = region_grid(tuple(size), region, r.step, r.scale, r.before, r.after, out_size)
     regions = list(grid.regions())
-    _check_covered(whole, grid, regions)
+    if len(regions) > 1:
+        _check_covered(whole, grid, regions)
     shapes = grid.shapes()
     world = comm
     if world is None and plan.world_size > 1:

@@ -43,6 +43,7 @@ from fxpar.core import meta
 from fxpar.core.geometry import Interval, Rect
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.capture import where
+from fxpar.frontend.rules.islands import find_islands
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, Pointwise, Reduce, Window, classify
 from fxpar.frontend.trace import trace
 from fxpar.passes.split_stages import model_output
@@ -138,18 +139,37 @@ def _merge(needs: dict[fx.Node, Rect], n: fx.Node, r: Rect) -> None:
                                             in zip(old.dims, r.dims, strict=True)))
 
 
+def x_of(n: fx.Node, islands: dict[fx.Node, str]) -> fx.Node:
+    """The NCHW tensor an island member's block started from (an entry's first input)."""
+    seen = n
+    while islands.get(seen) != "entry":
+        seen = next(a for a in seen.all_input_nodes if a in islands)
+    first = seen.args[0]
+    if isinstance(first, (list, tuple)):  # torch.stack of same-shape maps
+        first = first[0]
+    assert isinstance(first, fx.Node)
+    return first
+
+
 def needs(gm: fx.GraphModule, box: Rect) -> Rect:
     """The input box (global, unclipped: cells outside the image are padding) that output box
     ``box`` reads, through every op of the analysed graph ``gm``. Raises ReachError for an op
     that is not local."""
     x, out = _model_io(gm)
     need: dict[fx.Node, Rect] = {out: box}
+    islands = find_islands(gm)
     for n in reversed(list(gm.graph.nodes)):
         r = need.get(n)
         if r is None or n.op in ("placeholder", "get_attr"):
             continue
         op = classify(gm, n)
-        if isinstance(op, Window):
+        if n in islands:  # a per-pixel block in another layout: the same box all through
+            for a in n.all_input_nodes:
+                if a in islands or _extent(a) == _extent(x_of(n, islands)):
+                    _merge(need, a, r)
+                elif a.op != "get_attr":
+                    raise _not_local(gm, n, None)
+        elif isinstance(op, Window):
             src = n.args[0]
             assert isinstance(src, fx.Node)
             want = Rect(*(op.needs(iv, i) for i, iv in enumerate(r.dims)))

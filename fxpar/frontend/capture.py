@@ -58,6 +58,11 @@ class TraceError(RuntimeError):
 
 _DROPOUTS = {aten.dropout.default: "dropout", aten.feature_dropout.default: "feature_dropout",
              aten.alpha_dropout.default: "alpha_dropout"}
+_DROPOUTS_INPLACE = {aten.dropout_.default: "dropout",
+                     aten.feature_dropout_.default: "feature_dropout",
+                     aten.alpha_dropout_.default: "alpha_dropout"}
+"""``nn.Dropout2d(inplace=True)`` (smp's FPN): the same module, out of place, where nothing
+else reads the tensor it would have overwritten."""
 
 
 def where(n: fx.Node) -> str:
@@ -228,11 +233,12 @@ def _mode_ops(gm: fx.GraphModule) -> None:
             with g.inserting_before(n):
                 new = g.call_module(name, (x, w, b, rm, rv, nbt))
             _swap(g, n, new)
-        elif n.target in _DROPOUTS:
+        elif n.target in _DROPOUTS or (n.target in _DROPOUTS_INPLACE and isinstance(
+                n.args[0], fx.Node) and set(n.args[0].users) == {n}):
             p = float(n.args[1])
             name = f"fxpar_dropout_{count}"
             count += 1
-            drop = DropoutOp(p, _DROPOUTS[n.target])
+            drop = DropoutOp(p, {**_DROPOUTS, **_DROPOUTS_INPLACE}[n.target])
             drop.captured_training = bool(n.args[2]) if len(n.args) > 2 else True
             gm.add_submodule(name, drop)
             with g.inserting_before(n):
