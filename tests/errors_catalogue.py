@@ -73,6 +73,7 @@ from fxpar.compiler.passdriver import PassError
 from fxpar.compiler.profile import Profile, ProfileError
 from fxpar.compiler.receptive import ReachError, reach_model
 from fxpar.io import checkpoint as ckpt
+from fxpar.io import images as fxpar_images
 from fxpar.io.checkpoint import CheckpointError
 from fxpar.io.data import DataError, FolderBatches, ImageFolder
 from fxpar.io.metrics import MetricsError
@@ -472,6 +473,36 @@ CATALOGUE: list[Entry] = [
           r"give --steps or --epochs, not both", "Give one of them.",
           lambda: run_setup(["torchvision:resnet18", "--data", images(), "--image-size",
                               "8", "--batch-size", "2", "--steps", "2", "--epochs", "1"])),
+    Entry("data-csv-header", "data", "a CSV of samples without an image column and a label "
+          "or mask column", DataError, r"the header row has columns",
+          "Write a header: image,label (a class per image) or image,mask (a class map per "
+          "pixel), optionally level, y, x.",
+          lambda: Path("s.csv").write_text("file,class\na.npy,0\n") and run_setup(
+              ["torchvision:resnet18", "--data", "s.csv", "--image-size", "8"])),
+    Entry("data-csv-region", "data", "a CSV row whose region (y, x and --image-size) leaves "
+          "its image", DataError, r"columns .*: the region .* of size",
+          "Move y / x so that the --image-size region lies inside the image at that level.",
+          lambda: _csv_region()),
+    Entry("data-level", "data", "a pyramid level the file does not have", DataError,
+          r"no pyramid level \d+; the file has",
+          "Give a level from the list in the message.",
+          lambda: _one_level_tiff() and fxpar_images.open_image("one.tif", 2)),
+    Entry("eval-needs-val-data", "cli", "--eval-every / --val-batches / --best-metric without "
+          "--val-data", ValueError, r"need\(s\) --val-data PATH",
+          "Add --val-data (a class folder or a CSV), or drop the validation flags.",
+          lambda: run_setup(["torchvision:resnet18", "--eval-every", "10"])),
+    Entry("eval-best-needs-checkpoint", "cli", "--best-metric without --checkpoint", ValueError,
+          r"keeps the best model in DIR/best",
+          "Add --checkpoint DIR: the best is kept in DIR/best.",
+          lambda: run_setup(["torchvision:resnet18", "--data", images(), "--image-size", "8",
+                             "--batch-size", "2", "--val-data", images(), "--best-metric",
+                             "accuracy"])),
+    Entry("eval-dice-of-labels", "cli", "--best-metric dice or iou for images with one label "
+          "each", DataError, r"needs masks, but --val-data",
+          "Use --best-metric loss or accuracy, or validate on a CSV with a mask column.",
+          lambda: run_setup(["torchvision:resnet18", "--data", images(), "--image-size", "8",
+                             "--batch-size", "2", "--val-data", images(), "--best-metric",
+                             "dice", "--checkpoint", "ck"])),
     # region-by-region inference
     Entry("predict-norm-over-image", "predict", "a model with GroupNorm / InstanceNorm",
           ReachError, r"normalises each sample over the whole image",
@@ -699,6 +730,22 @@ class _AlignCorners(nn.Module):
     def forward(self, x):
         return F.interpolate(F.max_pool2d(self.conv(x), 2), scale_factor=2, mode="bilinear",
                              align_corners=True)
+
+
+def _csv_region() -> None:
+    import numpy as np
+
+    np.save("a.npy", np.zeros((3, 16, 16), np.float32))
+    Path("s.csv").write_text("image,label,y,x\na.npy,0,12,0\n")
+    run_setup(["torchvision:resnet18", "--data", "s.csv", "--image-size", "8"])
+
+
+def _one_level_tiff() -> bool:
+    import numpy as np
+    import tifffile
+
+    tifffile.imwrite("one.tif", np.zeros((16, 16), np.uint8))
+    return True
 
 
 def _predict_cli(args: list[str]) -> None:
