@@ -42,6 +42,7 @@ from fxpar.compiler.receptive import (
     check_same_interpolation,
     interp_ratios,
     needs,
+    output_channels,
     output_extent,
     reach_model,
 )
@@ -105,18 +106,21 @@ def out_channels_dtype(k: int, kind: str, dtype: torch.dtype) -> tuple[int, np.d
 
 @dataclass
 class Progress:
-    """One line per region (a carriage return on a terminal, else every ~2 %)."""
+    """A progress bar on stderr: redrawn in place on a terminal, else a line every ~2 %.
+    ``done`` starts at the regions a resumed run skips; rate and ETA count only this run's."""
 
     total: int
-    pixels: int
-    start: float = field(default_factory=time.perf_counter)
     done: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    computed: int = 0
+    pixels: int = 0
     shown: int = -1
     stream: Any = None
 
     def update(self, regions: int, pixels: int) -> None:
         self.done += regions
-        self.pixels_done = getattr(self, "pixels_done", 0) + pixels
+        self.computed += regions
+        self.pixels += pixels
         stream = self.stream or sys.stderr
         tty = getattr(stream, "isatty", lambda: False)()
         pct = 100 * self.done // max(self.total, 1)
@@ -124,8 +128,8 @@ class Progress:
             return
         self.shown = pct
         took = time.perf_counter() - self.start
-        rate = self.pixels_done / took / 1e6 if took > 0 else 0.0
-        left = (self.total - self.done) * took / max(self.done, 1)
+        rate = self.pixels / took / 1e6 if took > 0 else 0.0
+        left = (self.total - self.done) * took / max(self.computed, 1)
         bar = "#" * (pct // 5) + "." * (20 - pct // 5)
         end = "\r" if tty and self.done < self.total else "\n"
         print(f"predict [{bar}] {self.done}/{self.total} regions {pct:3d}%  {rate:.2f} Mpx/s  "
@@ -210,13 +214,11 @@ def predict(model: nn.Module, plan: Plan, image: Image | np.ndarray | torch.Tens
     for shape in shapes:  # every check before the first message
         program = fx_compile(model, plan, torch.empty((batch, channels, *shape), dtype=dtype,
                                                       device="meta"))
-        if _has_interp(whole):
+        if interp_ratios(whole):
             check_same_interpolation(whole, trace(model, (1, channels, *shape)))
         programs[shape] = program
     writer = next(iter(programs.values())).rank_map.rank_of(0, 0, plan.stages - 1, 0)
-    first = next(iter(programs.values()))
-    k = first.traced is not None and _out_channels(first.traced)
-    c_out, out_dtype = out_channels_dtype(int(k), output, dtype)
+    c_out, out_dtype = out_channels_dtype(output_channels(whole), output, dtype)
     store, error = None, None
     if rank == writer and out is not None:
         info = {"image": list(size), "region": list(grid.region), "output": output,
@@ -237,9 +239,8 @@ def predict(model: nn.Module, plan: Plan, image: Image | np.ndarray | torch.Tens
     if error is not None:
         raise DataError(error)
     todo = [g for g in regions if g.index not in done]
-    bar = Progress(len(regions), math.prod(size)) if progress and rank == writer else None
-    if bar is not None:
-        bar.done = len(regions) - len(todo)
+    bar = Progress(len(regions), len(regions) - len(todo)) \
+        if progress and rank == writer else None
     if log is not None and rank == writer:
         log(describe(grid, r, shapes, len(todo), len(regions)))
     t0 = time.perf_counter()
@@ -284,19 +285,6 @@ def predict(model: nn.Module, plan: Plan, image: Image | np.ndarray | torch.Tens
     overlap = sum(g.crop.size for g in regions) / math.prod(size)
     return Prediction(grid, r, shapes, len(regions), len(regions) - len(todo),
                       time.perf_counter() - t0, overlap, result)
-
-
-def _has_interp(gm: Any) -> bool:
-    return bool(interp_ratios(gm))
-
-
-def _out_channels(gm: Any) -> int:
-    from fxpar.compiler.receptive import _model_io
-    from fxpar.core import meta
-    from fxpar.core.meta import TensorInfo
-
-    _, out = _model_io(gm)
-    return int(meta.get(out, TensorInfo).shape[1])
 
 
 def describe(grid: RegionGrid, r: Reach, shapes: list[tuple[int, ...]], todo: int,

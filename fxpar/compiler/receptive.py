@@ -296,6 +296,12 @@ def output_extent(gm: fx.GraphModule) -> tuple[int, ...]:
     return ext
 
 
+def output_channels(gm: fx.GraphModule) -> int:
+    """The channels (classes) of the model's output map in the analysed graph ``gm``."""
+    _, out = _model_io(gm)
+    return int(meta.get(out, TensorInfo).shape[1])
+
+
 def reach_model(model: nn.Module, channels: int, size: tuple[int, ...],
                 whole: fx.GraphModule | None = None) -> Reach:
     """:func:`reach` of ``model`` for images of ``size``: analysed on ``whole`` (the graph at
