@@ -174,3 +174,32 @@ def test_compile_section_summary_uses_the_real_weights_build_for_the_aims():
                    "peak RSS after compile (imports included), sp64, real model":
                    ("1.60 GB (1.60-1.60 GB)", False)}
     assert sec["tables"][0]["rows"][1][6] == "0.90 (0.90-0.90)"  # peak - imports
+
+
+def test_predict_section_limits_overlap_and_accuracy_rows():
+    pred = _load("bench_predict")
+    cfg = {"size": 2048, "region": 1024, "ranks": [1, 2, 4], "classes": 3, "modes": ["constant"],
+           "overlap": 0.25, "check": 2048, "logits_ranks": 2, "nproc": 2, "rounds": 2}
+    limit = {"mpx_s": {"2": 20.0, "1": 12.0}}
+    fx = {"mpx_s": 10.0, "wall": 2.0, "overlap": 1.25, "line": "wrote x.zarr: ..."}
+    monai = {"mpx_s": 8.0, "wall": 4.0, "overlap": 2.25}
+    rounds = [{"limit": limit, "fxpar/1": fx, "fxpar/2": {**fx, "mpx_s": 12.0}, "fxpar/4": fx,
+               "monai/constant": monai}] * 2
+    accuracy = {"fxpar/logits": {"max_abs": 1e-6, "argmax_differs": 0.0}, "fxpar/1": 0.0,
+                "fxpar/2": 0.0, "fxpar/4": 0.0,
+                "monai/constant": {"max_abs": 0.5, "argmax_differs": 0.02}}
+    sec = pred.section(rounds, cfg, {"bytes": 2**20, "seconds": 1.0},
+                       {"seconds": 2.0, "mpx_s": 2.0, "wall": 5.0, "peak_rss_gib": 1.0},
+                       accuracy, {"seconds": 3.0}, 60.0)
+    bench.check_section(sec)
+    speed, acc = sec["tables"]
+    by = {r[0]: r for r in speed["rows"]}
+    # one process uses the 2-thread rate; P single-thread ranks use 1-thread rate x cores used
+    assert by["fxpar-predict SP1"][7].startswith("20.00") and by["fxpar-predict SP1"][8] \
+        .startswith("16.00")  # 20 / overlap 1.25
+    assert by["fxpar-predict SP2"][7].startswith("24.00")
+    assert by["fxpar-predict SP4 (4 ranks on 2 cores: oversubscribed)"][7].startswith("24.00")
+    assert by["fxpar-predict SP2"][9].startswith("0.62x")  # 12 / (24 / 1.25)
+    assert by["fxpar-predict SP1"][5].startswith("2.10")  # 2048² / 1e6 / 2 s wall
+    assert [r[4] for r in acc["rows"]] == ["0 (none)"] * 4 + ["83886 px (2 %)"]
+    assert acc["rows"][-1][3] == "0.5" and "(2048² image)" in acc["title"]
