@@ -364,3 +364,34 @@ def test_save_program_without_mpiexec_writes_every_rank_and_says_how_to_run(tmp_
     info = json.loads((out / "program.json").read_text())
     assert info["input_shape"] == [2, 3, 32, 32] and info["world_size"] == 3
     assert all((out / f"rank0000{r}" / "actions.txt").is_file() for r in range(3))
+
+
+def test_level_flag_trains_on_a_pyramid_level_of_every_image(tmp_path):
+    """``--level 1``: a class folder of two-level TIFFs is read at level 1 (its size must be
+    --image-size), for the training set and the validation set alike."""
+    tifffile = pytest.importorskip("tifffile")
+    rng = np.random.default_rng(0)
+    truth = {}
+    for label in ("a", "b"):
+        (tmp_path / label).mkdir()
+        for k in range(2):
+            levels = [rng.integers(0, 255, (32 >> i, 32 >> i, 3), dtype=np.uint8)
+                      for i in range(2)]
+            with tifffile.TiffWriter(tmp_path / label / f"{k}.tif") as tw:
+                tw.write(levels[0], subifds=1, tile=(16, 16), photometric="rgb")
+                tw.write(levels[1], subfiletype=1, tile=(16, 16), photometric="rgb")
+            truth[(label, k)] = levels[1]
+    a = run.parser().parse_args(
+        [f"{CASES}:tiny_net", "--data", str(tmp_path), "--val-data", str(tmp_path),
+         "--image-size", "16", "--batch-size", "2", "--level", "1", "--no-shuffle",
+         "--steps", "1", "--num-classes", "3"])
+    job = run.setup(a)
+    x, y = job.source.batch(0, Rect((0, 16), (0, 16)))
+    torch.testing.assert_close(x[0], torch.from_numpy(truth[("a", 0)].transpose(2, 0, 1))
+                               .float() / 255)
+    assert y.tolist() == [0, 0]
+    assert job.val is not None
+    with pytest.raises(DataError, match="no pyramid level 2"):
+        run.setup(run.parser().parse_args(
+            [f"{CASES}:tiny_net", "--data", str(tmp_path), "--image-size", "16",
+             "--batch-size", "2", "--level", "2"]))

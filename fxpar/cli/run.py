@@ -125,6 +125,9 @@ def parser() -> argparse.ArgumentParser:
                    "or volumes (.npy, .nii, .nii.gz), all of --image-size, or a CSV of "
                    "image,label or image,mask rows (fxpar.io.samples); default: synthetic "
                    "data")
+    p.add_argument("--level", type=int, default=0, metavar="L",
+                   help="pyramid level of the --data / --val-data images (0: full resolution; "
+                   "a CSV's level column overrides it per row)")
     p.add_argument("--no-shuffle", action="store_true", help="with --data: keep file order")
     p.add_argument("--log-every", type=int, default=None, metavar="K",
                    help="progress line every K steps (default 1, or about 50 lines in all)")
@@ -254,8 +257,12 @@ def _source(a: argparse.Namespace, shape: tuple[int, ...],
                             "use --steps")
         a.steps = 10 if a.steps is None else a.steps
         return Synthetic(shape, a.num_classes, dtype, a.seed)
-    if a.data.suffix.lower() == ".csv":  # labels or masks listed in a CSV
-        src: Any = open_source(a.data, shape, dtype, a.seed, shuffle=not a.no_shuffle)
+    # a CSV (labels or masks), or a folder at another pyramid level: fxpar.io.samples; a
+    # plain folder: the image folder reader (NIfTI volumes, PIL images as before)
+    samples = a.data.suffix.lower() == ".csv" or a.level != 0
+    if samples:
+        src: Any = open_source(a.data, shape, dtype, a.seed, shuffle=not a.no_shuffle,
+                               level=a.level)
         classes = len(src.data.classes)
     else:
         data = ImageFolder.scan(a.data, tuple(shape[2:]), shape[1])
@@ -263,7 +270,7 @@ def _source(a: argparse.Namespace, shape: tuple[int, ...],
     if classes > a.num_classes:
         raise DataError(f"--data {a.data} has {classes} classes but the model has "
                         f"--num-classes {a.num_classes}: raise --num-classes")
-    if a.data.suffix.lower() != ".csv":
+    if not samples:
         src = FolderBatches(data, shape[0], dtype, a.seed, shuffle=not a.no_shuffle)
     if a.epochs is not None and a.steps is not None:
         raise DataError("give --steps or --epochs, not both")
@@ -410,7 +417,7 @@ def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
         out = output_shape(job.rp.program)
         classes = out[1] if out is not None and len(out) > 1 else a.num_classes
         job.val = open_validation(a.val_data, job.shape, job.dtype, classes, a.seed,
-                                  limit=a.val_batches)
+                                  level=a.level, limit=a.val_batches)
         check_task(a, job.val)
         check_output(job.val, out)
     job.rp.to(where)
