@@ -309,3 +309,32 @@ def test_cli_one_process_writes_the_exact_map(tmp_path, capsys):
     got = np.asarray(zarr.open_array(str(tmp_path / "o.zarr"))[:])
     assert np.abs(got - _whole(small_unet(), x.double()).numpy()).max() < 1e-12
     assert Rect.whole((40, 56)).size == 40 * 56
+
+
+def test_geotiff_at_a_pyramid_level_keeps_its_georeference(tmp_path):
+    """Level 1 of a GeoTIFF pyramid: the output's pixel scale is the level's (twice level
+    0's), the tie point and geo keys are the input's, and the map equals the model on the
+    level-1 image."""
+    import tifffile
+
+    rng = np.random.default_rng(9)
+    levels = [rng.integers(0, 255, (64 >> k, 96 >> k, 3), dtype=np.uint8) for k in range(2)]
+    geo = [(33550, "d", 3, (0.5, 0.5, 0.0), True),
+           (33922, "d", 6, (0.0, 0.0, 0.0, 500000.0, 4100000.0, 0.0), True),
+           (34735, "H", 8, (1, 1, 0, 1, 1024, 0, 1, 1), True)]
+    with tifffile.TiffWriter(tmp_path / "scene.tif") as tw:
+        tw.write(levels[0], tile=(16, 16), photometric="rgb", subifds=1, extratags=geo)
+        tw.write(levels[1], tile=(16, 16), photometric="rgb", subfiletype=1)
+    model = f"{CASES[0].split('::')[0]}:small_unet"
+    assert fxpar_predict([model, str(tmp_path / "scene.tif"), str(tmp_path / "m.tif"),
+                          "--level", "1", "--region", "16", "--dtype", "float64",
+                          "--no-progress"]) == 0
+    with tifffile.TiffFile(tmp_path / "m.tif") as tif:
+        tags = tif.pages[0].tags
+        assert tuple(tags[33550].value) == (1.0, 1.0, 0.0)
+        assert tuple(tags[33922].value) == (0.0, 0.0, 0.0, 500000.0, 4100000.0, 0.0)
+        assert tuple(tags[34735].value)[:4] == (1, 1, 0, 1)
+        got = tif.asarray()
+    x = torch.from_numpy(levels[1].transpose(2, 0, 1).astype(np.float64) / 255)
+    want = _whole(small_unet(), x).argmax(0).numpy()
+    assert got.shape == (32, 48) and (got == want).all()

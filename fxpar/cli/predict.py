@@ -183,7 +183,7 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
                 f"{plan.world_size} rank(s)")
         result = predict(model, plan, image, a.out, region=a.region, batch=a.batch,
                          output=a.output, dtype=dtype, comm=world, overwrite=a.overwrite,
-                         progress=not a.no_progress, settings=settings, geo=_geo_codes(image),
+                         progress=not a.no_progress, settings=settings, geo=_geo(image),
                          log=lambda s: print(s, flush=True))
     except USER_ERRORS as e:
         return _user_error(e, world)
@@ -200,21 +200,17 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
     return 0
 
 
-def _geo_codes(image: Any) -> dict[int, Any] | None:
-    """The reader's GeoTIFF tags by tag code, for the output; they describe level 0, so at
-    level k the pixel scale grows by the level's downsampling."""
+def _geo(image: Any) -> dict[str, Any] | None:
+    """The reader's GeoTIFF tags for the grid of its level (they describe level 0)."""
     geo = getattr(image, "geo", None)
-    if not geo:
-        return None
-    from fxpar.io.images import GEO_TAGS
+    if not geo or image.level == 0:
+        return geo
+    from fractions import Fraction
 
-    codes = {name: code for code, (name, _) in GEO_TAGS.items()}
-    out = {codes[k]: v for k, v in geo.items() if k in codes}
-    if 33550 in out and image.level > 0:
-        fy, fx = (a / b for a, b in zip(image.levels[0][-2:], image.size[-2:], strict=True))
-        sx, sy, *rest = out[33550]
-        out[33550] = (sx * fx, sy * fy, *rest)
-    return out
+    from fxpar.io.images import geo_scaled
+
+    return geo_scaled(geo, tuple(Fraction(b, a) for a, b in zip(
+        image.levels[0][-2:], image.size[-2:], strict=True)))
 
 
 def _user_error(e: Exception, world: Comm | None) -> int:

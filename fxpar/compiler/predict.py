@@ -170,7 +170,7 @@ def predict(model: nn.Module, plan: Plan, image: Image | np.ndarray | torch.Tens
             out: str | Path | None = None, *, region: int | tuple[int, ...] = 1024,
             batch: int = 1, output: str = "logits", dtype: torch.dtype = torch.float32,
             comm: Comm | None = None, overwrite: bool = False, progress: bool = True,
-            settings: dict[str, Any] | None = None, geo: dict[int, Any] | None = None,
+            settings: dict[str, Any] | None = None, geo: dict[str, Any] | None = None,
             log: Callable[[str], None] | None = None) -> Prediction:
     """Run ``model`` (eval mode, its current weights) over the whole ``image`` (C, *spatial),
     region by region, each region on all ranks of ``plan``; collective over ``comm`` (default:

@@ -335,10 +335,29 @@ def _module(name: str) -> Any:
                         f"{_IMAGES_PIP}") from None
 
 
-def geo_extratags(geo: dict[str, Any] | None) -> list[tuple[int, int, int, Any, bool]]:
-    """``geo`` (:attr:`ImageReader.geo`) as tifffile ``extratags`` for a writer that keeps the
-    georeference. The tags describe level 0: at level k, multiply ModelPixelScale's x and y
-    by the level's downsampling."""
+def geo_scaled(geo: dict[str, Any], scale: tuple[Any, ...]) -> dict[str, Any]:
+    """``geo`` for an image with ``scale`` cells per cell of the grid it describes, per
+    spatial dim (H, W): ModelPixelScale (and ModelTransformation) 1 / scale times as large (a
+    class map at 1/32, pyramid level k at 1 / its downsampling); the other tags as they are."""
+    sy, sx = (1 / float(s) for s in scale[-2:])
+    out = dict(geo)
+    if "ModelPixelScaleTag" in out:
+        v = out["ModelPixelScaleTag"]
+        out["ModelPixelScaleTag"] = (v[0] * sx, v[1] * sy, *v[2:])
+    if "ModelTransformationTag" in out:
+        out["ModelTransformationTag"] = tuple(
+            v * (sx if i % 4 == 0 else sy if i % 4 == 1 else 1)
+            for i, v in enumerate(out["ModelTransformationTag"]))
+    return out
+
+
+def geo_extratags(geo: dict[str, Any] | None, scale: tuple[Any, ...] | None = None
+                  ) -> list[tuple[int, int, int, Any, bool]]:
+    """``geo`` (:attr:`ImageReader.geo`, tag name -> value) as tifffile ``extratags`` for a
+    writer that keeps the georeference, rescaled by :func:`geo_scaled` when ``scale`` is given.
+    The tags describe level 0: at level k, scale by 1 / the level's downsampling."""
+    if geo and scale is not None:
+        geo = geo_scaled(geo, scale)
     out = []
     for code, (name, dtype) in GEO_TAGS.items():
         if geo and name in geo:
@@ -347,4 +366,3 @@ def geo_extratags(geo: dict[str, Any] | None) -> list[tuple[int, int, int, Any, 
                 len(value) if hasattr(value, "__len__") else 1
             out.append((code, dtype, count, value, True))
     return out
-

@@ -27,11 +27,11 @@ import numpy as np
 
 from fxpar.core.geometry import Rect
 from fxpar.io.errors import DataError
+from fxpar.io.images import geo_extratags
 
 KEY = "fxpar_predict"
 TIFF = (".tif", ".tiff")
 TIFF_TILE = 256
-_PIXEL_SCALE, _TIEPOINT, _TRANSFORM = 33550, 33922, 34264
 
 
 def _zarr() -> Any:
@@ -91,11 +91,11 @@ class PredictionStore:
         self.done.add(tuple(index))
         self._record()
 
-    def finish(self, geo: dict[int, Any] | None = None,
+    def finish(self, geo: dict[str, Any] | None = None,
                scale: tuple[Fraction, ...] | None = None) -> Path:
         """The finished output: the Zarr array, or the TIFF written from it (see the module
-        doc); ``geo``: GeoTIFF tags of the input (tag code -> value), ``scale``: output cells
-        per input cell, for the pixel scale."""
+        doc); ``geo``: GeoTIFF tags of the input (``ImageReader.geo`` at its level), ``scale``:
+        output cells per input cell, for the pixel scale."""
         if not self.tiff:
             return self.path
         write_tiff(self.path, self.array, geo, scale)
@@ -117,30 +117,7 @@ def _tiles(array: Any, tile: int) -> Iterator[np.ndarray]:
                 yield t
 
 
-def geo_tags(geo: dict[int, Any] | None, scale: tuple[Fraction, ...] | None
-             ) -> list[tuple[int, str, int, Any, bool]]:
-    """tifffile ``extratags`` carrying the input's GeoTIFF tags to the output; a coarser
-    output (scale < 1) has a pixel scale (or transformation) 1 / scale times the input's."""
-    tags = []
-    for code, value in sorted((geo or {}).items()):
-        vals = value if isinstance(value, (tuple, list)) else (value,)
-        if isinstance(value, str):
-            tags.append((code, "s", 0, value, True))
-            continue
-        if scale is not None and code == _PIXEL_SCALE:
-            sy, sx = (float(1 / s) for s in scale[-2:])
-            vals = (vals[0] * sx, vals[1] * sy, *vals[2:])
-        if scale is not None and code == _TRANSFORM:
-            sy, sx = (float(1 / s) for s in scale[-2:])
-            vals = tuple(v * (sx if i % 4 == 0 else sy if i % 4 == 1 else 1)
-                         for i, v in enumerate(vals))
-        kind = "H" if all(isinstance(v, (int, np.integer)) for v in vals) and code == 34735 \
-            else "d"
-        tags.append((code, kind, len(vals), tuple(vals), True))
-    return tags
-
-
-def write_tiff(path: Path, array: Any, geo: dict[int, Any] | None = None,
+def write_tiff(path: Path, array: Any, geo: dict[str, Any] | None = None,
                scale: tuple[Fraction, ...] | None = None) -> None:
     """A tiled, compressed TIFF of ``array`` (C, H, W), read and written one band of tiles at
     a time: one page (C = 1) or C planes (planar)."""
@@ -151,5 +128,5 @@ def write_tiff(path: Path, array: Any, geo: dict[int, Any] | None = None,
     tifffile.imwrite(path, _tiles(array, TIFF_TILE), shape=shape, dtype=array.dtype,
                      tile=(TIFF_TILE, TIFF_TILE), compression="zlib",
                      photometric="minisblack", planarconfig="separate" if c > 1 else None,
-                     extratags=geo_tags(geo, scale), bigtiff=h * w * c *
+                     extratags=geo_extratags(geo, scale), bigtiff=h * w * c *
                      np.dtype(array.dtype).itemsize > 2**31)
