@@ -81,6 +81,7 @@ from fxpar.models import zoo
 from fxpar.models.zoo import ModelSpecError
 from fxpar.runtime.loop import ActionFailed
 from fxpar.runtime.materialize import MaterializeError
+from fxpar.testing import load_case
 
 GROUPS: dict[str, str] = {
     "plan": "Plan fields",
@@ -712,24 +713,9 @@ INTERNAL = {
 """Error classes defined in fxpar/ or passes/ that users do not meet as such, and why."""
 
 
-class _SqueezeExcite(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-
-    def forward(self, x):
-        y = self.conv(x)
-        return y * torch.sigmoid(y.mean((2, 3), keepdim=True))
-
-
-class _AlignCorners(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 2, 3, padding=1)
-
-    def forward(self, x):
-        return F.interpolate(F.max_pool2d(self.conv(x), 2), scale_factor=2, mode="bilinear",
-                             align_corners=True)
+_SqueezeExcite, _AlignCorners = (
+    load_case(f"{Path(__file__).parent / 'cases' / 'predict_cases.py'}::{name}")
+    for name in ("SqueezeExcite", "AlignCorners"))
 
 
 def _csv_region() -> None:

@@ -26,8 +26,10 @@ from fxpar.io.writers import PredictionStore
 from fxpar.testing import load_case
 
 CASES, _ = cases_in("predict_cases.py")
-small_unet = load_case(f"{CASES[0].split('::')[0]}::small_unet")
-odd_net = load_case(f"{CASES[0].split('::')[0]}::odd_net")
+HERE = CASES[0].split("::")[0]
+small_unet, odd_net, SqueezeExcite, AlignCorners = (
+    load_case(f"{HERE}::{name}") for name in ("small_unet", "odd_net", "SqueezeExcite",
+                                               "AlignCorners"))
 
 
 @pytest.fixture(scope="module")
@@ -86,26 +88,6 @@ def test_reach_of_a_strided_class_map_and_a_library_unet():
 def test_models_that_are_not_local_are_refused_with_the_reason(body, names):
     with pytest.raises(ReachError, match=names):
         reach_model(body, 3, (64, 64))
-
-
-class SqueezeExcite(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-
-    def forward(self, x):
-        y = self.conv(x)
-        return y * torch.sigmoid(y.mean((2, 3), keepdim=True))
-
-
-class AlignCorners(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 2, 3, padding=1)
-
-    def forward(self, x):
-        y = F.max_pool2d(self.conv(x), 2)
-        return F.interpolate(y, scale_factor=2, mode="bilinear", align_corners=True)
 
 
 def test_global_means_and_size_dependent_interpolation_are_refused():

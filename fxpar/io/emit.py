@@ -357,18 +357,8 @@ def _input_shape(program: Program) -> list[int] | None:
 
 def _output_shape(program: Program) -> list[int] | None:
     """The model output's shape for the global batch, when the model returns one tensor."""
-    gm = program.traced
-    out = next((n for n in gm.graph.nodes if n.op == "output"), None) if gm else None
-    value = out.args[0] if out is not None else None
-    if isinstance(value, (tuple, list)) and len(value) == 1:
-        value = value[0]
-    info = None
-    while isinstance(value, fx.Node) and info is None:  # through the stage cutter's marker
-        info = meta.find(value, TensorInfo)
-        value = value.args[0] if len(value.args) == 1 else None
-    if info is None:
-        return None
-    return [program.batch_size, *info.shape[1:]]
+    shape = program.output_shape
+    return None if shape is None else [program.batch_size, *shape[1:]]
 
 
 def _header(program: Program, rank: int, copy: int, stage: int) -> str:

@@ -38,11 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import fx
 
-from fxpar.core import meta
 from fxpar.core.geometry import Rect
-from fxpar.core.meta import TensorInfo
 from fxpar.io.data import BatchSource, DataError, FolderBatches, ImageFolder
 
 if TYPE_CHECKING:
@@ -206,18 +203,8 @@ def open_validation(path: str | Path, shape: tuple[int, ...], dtype: torch.dtype
 
 
 def output_shape(program: Program) -> tuple[int, ...] | None:
-    """The model output's shape for one micro-batch, from the compiled graph (None for a
-    loaded program, which keeps no graph, or a model returning several tensors)."""
-    gm = program.traced
-    out = next((n for n in gm.graph.nodes if n.op == "output"), None) if gm else None
-    value = out.args[0] if out is not None else None
-    if isinstance(value, (tuple, list)) and len(value) == 1:
-        value = value[0]
-    info = None
-    while isinstance(value, fx.Node) and info is None:  # through the stage cutter's marker
-        info = meta.find(value, TensorInfo)
-        value = value.args[0] if len(value.args) == 1 else None
-    return None if info is None else tuple(info.shape)
+    """The model output's shape for one micro-batch (``Program.output_shape``)."""
+    return program.output_shape
 
 
 def check_output(val: Validation, out: tuple[int, ...] | None) -> None:

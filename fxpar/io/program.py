@@ -28,8 +28,10 @@ from torch import fx, nn
 
 from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
+from fxpar.core import meta
 from fxpar.core.geometry import Grid, Rect
 from fxpar.core.messages import check_tags, tag_uses
+from fxpar.core.meta import TensorInfo
 from fxpar.core.plan import PRECISION_DTYPES, Plan, PlanError, RankMap
 from fxpar.core.roles import chunks_per_copy, first_chunk
 from fxpar.core.schedule import Action, Schedule
@@ -122,6 +124,21 @@ class Program:
     def world_size(self) -> int:
         """Ranks the plan needs (``mpiexec -n``)."""
         return self.plan.world_size
+
+    @property
+    def output_shape(self) -> tuple[int, ...] | None:
+        """The model output's shape for one micro-batch, from the compiled graph; None for a
+        loaded program (which keeps no graph) or a model returning several tensors."""
+        gm = self.traced
+        out = next((n for n in gm.graph.nodes if n.op == "output"), None) if gm else None
+        value = out.args[0] if out is not None else None
+        if isinstance(value, (tuple, list)) and len(value) == 1:
+            value = value[0]
+        info = None
+        while isinstance(value, fx.Node) and info is None:  # through the stage cutter's marker
+            info = meta.find(value, TensorInfo)
+            value = value.args[0] if len(value.args) == 1 else None
+        return None if info is None else tuple(info.shape)
 
     @functools.cached_property
     def name_order(self) -> dict[str, int]:

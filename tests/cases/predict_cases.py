@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transparency import sub_comm
 
@@ -64,6 +65,30 @@ def odd_net(num_classes: int = 2) -> nn.Module:
     with torch.no_grad():
         net.train()(torch.randn(2, 3, 32, 32, dtype=torch.float64))
     return net.eval()
+
+
+class SqueezeExcite(nn.Module):
+    """A global mean inside: not local (tests/test_predict.py, tests/errors_catalogue.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y * torch.sigmoid(y.mean((2, 3), keepdim=True))
+
+
+class AlignCorners(nn.Module):
+    """Bilinear upsampling with align_corners=True: its ratio depends on the size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = F.max_pool2d(self.conv(x), 2)
+        return F.interpolate(y, scale_factor=2, mode="bilinear", align_corners=True)
 
 
 def _image(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
