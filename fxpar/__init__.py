@@ -1,9 +1,9 @@
 """fxpar: compile an ordinary single-device CNN into per-rank programs for hybrid spatial,
 layer, pipeline, bidirectional (GEMS) and data-parallel training under MPI."""
 
-from fxpar.compiler.driver import compile
+from fxpar.compiler.driver import compile, predict
 from fxpar.compiler.planner import AutoPlan, plan_auto
-from fxpar.compiler.predict import Prediction, predict
+from fxpar.compiler.predict import Prediction
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.version import __version__
 from fxpar.frontend.trace import TraceError, analyze, trace

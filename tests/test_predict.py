@@ -17,7 +17,8 @@ from torch import nn
 import fxpar
 from fxpar.cli.predict import main as fxpar_predict
 from fxpar.compiler import predict as predict_mod
-from fxpar.compiler.predict import ArrayImage, predict
+from fxpar.compiler.driver import predict
+from fxpar.compiler.predict import ArrayImage
 from fxpar.compiler.receptive import Reach, ReachError, reach, reach_model
 from fxpar.core.geometry import Rect
 from fxpar.io.errors import DataError

@@ -28,7 +28,8 @@ import torch
 from fxpar.cli.args import grid_arg
 from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
-from fxpar.compiler.predict import OUTPUTS, predict
+from fxpar.compiler.driver import predict
+from fxpar.compiler.predict import OUTPUTS
 from fxpar.compiler.receptive import ReachError
 from fxpar.core.plan import SLICES, Plan, PlanError
 from fxpar.frontend.trace import TraceError

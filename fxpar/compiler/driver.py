@@ -7,6 +7,8 @@ import functools
 import operator
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from torch import fx, nn
 from fxpar.compiler.lower import check, lower
 from fxpar.compiler.memory import choose_recompute
 from fxpar.compiler.passdriver import HALO, run_passes
+from fxpar.compiler.predict import Prediction, predict_regions
 from fxpar.compiler.simulate import interleave
 from fxpar.compiler.stages import build_stages
 from fxpar.compiler.windows import rank_windows
@@ -229,9 +232,29 @@ def compile(  # noqa: A001 - the public name the design fixes
                       meta_model=meta_model_of(model, init), init=init, seed=seed,
                       input_windows=rank_windows(gm, graph, rank_map,
                                                  spatial.grid if spatial is not None else None),
-                      recompute=recomputed_stages(plan.recompute, plan.stages))
+                      recompute=recomputed_stages(plan.recompute, plan.stages),
+                      predictor=functools.partial(predict, model, plan, loss_fn=loss_fn))
     if plan.recompute == "auto":
         assert plan.memory_per_rank is not None  # Plan validates it
         program = dataclasses.replace(program,
                                       recompute=choose_recompute(program, plan.memory_per_rank))
     return program
+
+
+def predict(model: nn.Module, plan: Plan, image: Any, out: str | Path | None = None,
+            loss_fn: Callable[..., torch.Tensor] = F.cross_entropy, **kwargs: Any) -> Prediction:
+    """``fxpar.predict``: run ``model`` over the whole ``image`` (C, H, W) or (C, D, H, W), an
+    array or a reader of fxpar.io.images, region by region, each region compiled for ``plan``
+    and spread over its ranks; the output equals the model on the whole image (see
+    fxpar.compiler.predict, where the keyword arguments are: region, batch, output, dtype,
+    comm, overwrite, progress, ...). ``RankProgram.predict`` does the same with a trained
+    program's model."""
+    state = kwargs.pop("state", None)
+    if state is not None:  # RankProgram.predict: the trained weights of every stage
+        with torch.no_grad():
+            current = model.state_dict()
+            for name, value in state.items():
+                if name in current:
+                    current[name].copy_(value)
+    return predict_regions(model, plan, image, out, compile_crop=lambda example: compile(
+        model, plan, example, loss_fn=loss_fn), **kwargs)

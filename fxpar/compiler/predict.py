@@ -19,6 +19,7 @@ batch dimension: data-parallel plans give each replica its own regions).
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import time
@@ -35,7 +36,6 @@ from torch import nn
 
 from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
-from fxpar.compiler.driver import compile as fx_compile
 from fxpar.compiler.receptive import (
     Reach,
     ReachError,
@@ -51,6 +51,7 @@ from fxpar.core.plan import Plan
 from fxpar.frontend.trace import trace
 from fxpar.io.errors import DataError
 from fxpar.io.images import to_tensor
+from fxpar.io.program import Program
 from fxpar.io.regions import Region, RegionGrid, batches, region_grid
 from fxpar.io.writers import PredictionStore
 
@@ -166,8 +167,9 @@ def _check_covered(gm: Any, grid: RegionGrid, regions: list[Region], limit: int 
                                  f"for this model (please report it)")
 
 
-def predict(model: nn.Module, plan: Plan, image: Image | np.ndarray | torch.Tensor,
-            out: str | Path | None = None, *, region: int | tuple[int, ...] = 1024,
+def predict_regions(model: nn.Module, plan: Plan, image: Image | np.ndarray | torch.Tensor,
+            out: str | Path | None = None, *,
+            compile_crop: Callable[[torch.Tensor], Program], region: int | tuple[int, ...] = 1024,
             batch: int = 1, output: str = "logits", dtype: torch.dtype = torch.float32,
             comm: Comm | None = None, overwrite: bool = False, progress: bool = True,
             settings: dict[str, Any] | None = None, geo: dict[str, Any] | None = None,
@@ -180,14 +182,31 @@ def predict(model: nn.Module, plan: Plan, image: Image | np.ndarray | torch.Tens
     or None to return the whole output as an array (small images, tests). region: input cells
     per region and dim (rounded up to the model's step). output: argmax | softmax | sigmoid |
     logits. settings: extra values a resumed run must match (the CLI passes the model and
-    weights). Raises ReachError / DataError / PlanError before any communication."""
+    weights). compile_crop: ``fxpar.compile`` of ``model`` and ``plan`` for an example
+    (``fxpar.predict`` passes it). Raises ReachError / DataError / PlanError before any
+    communication."""
     if output not in OUTPUTS:
         raise ValueError(f"output {output!r}: choose one of {', '.join(OUTPUTS)}")
     if batch < 1:
         raise ValueError(f"batch {batch}: give at least 1 region per forward")
     src: Image = image if hasattr(image, "read") else ArrayImage(image)  # type: ignore[arg-type]
+    if any(p.dtype != dtype for p in model.parameters()):
+        model = copy.deepcopy(model).to(dtype)  # the caller's model stays as it is
+    training = model.training
+    model.eval()
+    try:
+        return _predict(model, plan, src, out, compile_crop, region, batch, output, dtype, comm,
+                        overwrite, progress, settings, geo, log)
+    finally:
+        model.train(training)
+
+
+def _predict(model: nn.Module, plan: Plan, src: Image, out: str | Path | None,
+             compile_crop: Callable[[torch.Tensor], Program], region: int | tuple[int, ...],
+             batch: int, output: str, dtype: torch.dtype, comm: Comm | None, overwrite: bool,
+             progress: bool, settings: dict[str, Any] | None, geo: dict[str, Any] | None,
+             log: Callable[[str], None] | None) -> Prediction:
     channels, *size = src.shape
-    model = model.to(dtype).eval()
     whole = trace(model, (1, channels, *size))
     out_size = output_extent(whole)
     sizes = (region,) * len(size) if isinstance(region, int) else tuple(region)
@@ -212,8 +231,8 @@ def predict(model: nn.Module, plan: Plan, image: Image | np.ndarray | torch.Tens
     rank = world.rank if world is not None else 0
     programs = {}
     for shape in shapes:  # every check before the first message
-        program = fx_compile(model, plan, torch.empty((batch, channels, *shape), dtype=dtype,
-                                                      device="meta"))
+        program = compile_crop(torch.empty((batch, channels, *shape), dtype=dtype,
+                                           device="meta"))
         if interp_ratios(whole):
             check_same_interpolation(whole, trace(model, (1, channels, *shape)))
         programs[shape] = program

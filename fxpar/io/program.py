@@ -119,6 +119,9 @@ class Program:
     recompute: frozenset[int] = frozenset()
     """The stages whose activations are recomputed (``Plan.recompute`` resolved at compile
     time: "auto" chooses them for ``Plan.memory_per_rank``; saved in program.json)."""
+    predictor: Callable[..., Any] | None = None
+    """``fxpar.predict`` bound to the compiled model and plan (None for a program loaded from
+    disk): what :meth:`RankProgram.predict` runs."""
 
     @property
     def world_size(self) -> int:
@@ -517,6 +520,28 @@ class RankProgram:
             return None
         outs = [results[i] for i in sorted(results)]
         return torch.cat(outs) if isinstance(outs[0], torch.Tensor) else outs
+
+    def predict(self, image: Any, out: str | os.PathLike[str] | None = None,
+                **kwargs: Any) -> Any:
+        """Collective: run the trained model over a whole ``image`` (an array (C, H, W) or a
+        reader of fxpar.io.images) region by region with this program's plan, on this
+        program's ranks, exactly as one process would on the whole image (``fxpar.predict``;
+        keyword arguments as there: region, batch, output, dtype, progress, ...). The ranks
+        first share their stages' current weights and buffers, so every rank predicts with
+        the trained model whichever stages it held. Returns a ``Prediction``."""
+        if self.program.predictor is None:
+            raise PlanError("this program was loaded from disk and keeps no model to compile "
+                            "crops from: build the model, load the weights "
+                            "(fxpar.io.checkpoint.export) and call fxpar.predict")
+        if self.program.meta_model is not None:
+            raise PlanError("this program was compiled from a model on the meta device: build "
+                            "the model on CPU, load the full state_dict and call "
+                            "fxpar.predict")
+        state = self.state_dict()
+        if self.comm is not None and self.comm.size > 1:
+            for part in self.comm.allgather_object(state):
+                state.update({k: v for k, v in part.items() if k not in state})
+        return self.program.predictor(image, out, comm=self.comm, state=state, **kwargs)
 
     @property
     def actions(self) -> list[Action]:

@@ -18,7 +18,8 @@ from transparency import sub_comm
 
 import fxpar
 from fxpar.comm.world import world
-from fxpar.compiler.predict import ArrayImage, predict
+from fxpar.compiler.driver import predict
+from fxpar.compiler.predict import ArrayImage
 from fxpar.core.geometry import Rect
 
 ATOL = 1e-11
@@ -270,3 +271,41 @@ def case_ranks_read_only_the_tiff_tiles_of_their_windows():
         ref = _reference(model, pixels.double() / 255)
         assert (torch.from_numpy(got.output) - ref).abs().max().item() < ATOL
     comm.barrier()
+
+
+def case_rank_program_predicts_with_the_trained_weights_of_every_stage():
+    """rp.predict after training SP2 + LP2 (3 ranks): each rank held only its stage's
+    trained weights; the prediction equals the trained model (gathered) on the whole image."""
+    import torch.nn.functional as F
+
+    comm = sub_comm(3)
+    if comm is None:
+        return
+    model = small_unet()
+    plan = fxpar.Plan(stages=2, spatial_parts=2)
+    x = _image((4, 3, 32, 32), seed=10)
+    y = torch.randint(0, 3, (4, 32, 32), generator=torch.Generator().manual_seed(11))
+    program = fxpar.compile(model.train(), plan, x, loss_fn=F.cross_entropy,
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    rp = program.local(comm)
+    window = rp.input_window()
+    for _ in range(2):
+        rp.train_step(x if window is not None else None, y if rp.needs_targets else None)
+    trained = rp.full_state_dict()
+    image = _image((3, 48, 80), seed=12)
+    got = rp.predict(image, None, region=16, dtype=torch.float64, progress=False)
+    if comm.rank == 0:
+        ref_model = small_unet()
+        ref_model.load_state_dict(trained)
+        ref = _reference(ref_model, image)
+        changed = (ref - _reference(small_unet(), image)).abs().max().item()
+        assert changed > 1e-3, changed  # training moved the weights
+    ref = comm.bcast_object(ref if comm.rank == 0 else None)
+    trained = comm.bcast_object(trained)
+    for name, value in model.state_dict().items():  # every rank's model is the trained one
+        assert torch.equal(value, trained[name]), name
+    if got.output is not None:
+        err = (torch.from_numpy(got.output) - ref).abs().max().item()
+        assert err < ATOL, err
+    rp.close()
+    comm.free()
