@@ -1,9 +1,13 @@
-"""Command-line argument types the CLIs share: image / volume sizes and process grids."""
+"""What the CLIs share: argument types (image / volume sizes, process grids, byte sizes) and
+the report of a user error under mpiexec."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
+from fxpar.comm import failfast
+from fxpar.comm.mpi import Comm
 from fxpar.io.data import DataError, parse_size
 
 
@@ -49,3 +53,29 @@ def bytes_arg(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: the size must be at least 1 byte")
     return value
+
+
+def user_error(prog: str, e: Exception, comm: Comm | None, checked: bool) -> int:
+    """``prog: error: ...`` once, and 2 returned on every rank alike (fxpar-run,
+    fxpar-predict). In a multi-rank job a rank
+    that failed before the start-up check (failfast.agree, the first communication) still
+    takes part in it with its error, so the other ranks stop there too instead of waiting;
+    after the check (``checked``), the rank ends the whole job."""
+    world = comm
+    if world is None and failfast.launched():
+        from fxpar.comm.world import world as mpi_world
+
+        world = mpi_world()
+    if world is None or world.size == 1:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(e, failfast.Disagreement):
+        if checked:
+            failfast.fail(e)
+        try:
+            failfast.agree(world, None, str(e))
+        except failfast.Disagreement as d:
+            e = d
+    if world.rank == 0:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+    return 2

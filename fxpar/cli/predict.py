@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from fxpar.cli.args import grid_arg
+from fxpar.cli.args import grid_arg, user_error
 from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import predict
@@ -186,10 +186,10 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
                          output=a.output, dtype=dtype, comm=world, overwrite=a.overwrite,
                          progress=not a.no_progress, settings=settings, geo=_geo(image),
                          log=lambda s: print(s, flush=True))
-    except USER_ERRORS as e:
-        return _user_error(e, world)
-    except failfast.Disagreement as e:
-        return _user_error(e, world)
+    except (*USER_ERRORS, failfast.Disagreement) as e:
+        # every error that reaches here is the same on every rank (set-up errors are agreed
+        # on; predict's own checks run before its first message), so none ends the job hard
+        return user_error("fxpar-predict", e, world, checked=False)
     if result.output is not None:
         mpx = result.grid.image[-1] * result.grid.image[-2] / 1e6
         done = result.regions - result.skipped
@@ -213,20 +213,6 @@ def _geo(image: Any) -> dict[str, Any] | None:
     return geo_scaled(geo, tuple(Fraction(b, a) for a, b in zip(
         image.levels[0][-2:], image.size[-2:], strict=True)))
 
-
-def _user_error(e: Exception, world: Comm | None) -> int:
-    """Report once and return 2 on every rank: the ranks agree first, so none waits."""
-    if world is None or world.size == 1:
-        print(f"fxpar-predict: error: {e}", file=sys.stderr)
-        return 2
-    if not isinstance(e, failfast.Disagreement):
-        try:
-            failfast.agree(world, None, str(e))
-        except failfast.Disagreement as d:
-            e = d
-    if world.rank == 0:
-        print(f"fxpar-predict: error: {e}", file=sys.stderr, flush=True)
-    return 2
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg
+from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg, user_error
 from fxpar.cli.auto import AutoUsageError, add_args, check_no_layout, choose
 from fxpar.cli.train import (  # train and finish: re-exported (tests, users import them here)
     add_eval_args,
@@ -471,28 +471,7 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
 
 
 def _user_error(e: Exception, comm: Comm | None, checked: bool) -> int:
-    """Report a user error once and return 2 on every rank alike. In a multi-rank job a rank
-    that failed before the start-up check (failfast.agree, the first communication) still
-    takes part in it with its error, so the other ranks stop there too instead of waiting;
-    after the check (``checked``), the rank ends the whole job."""
-    world = comm
-    if world is None and failfast.launched():
-        from fxpar.comm.world import world as mpi_world
-
-        world = mpi_world()
-    if world is None or world.size == 1:
-        print(f"fxpar-run: error: {e}", file=sys.stderr)
-        return 2
-    if not isinstance(e, failfast.Disagreement):
-        if checked:
-            failfast.fail(e)
-        try:
-            failfast.agree(world, None, str(e))
-        except failfast.Disagreement as d:
-            e = d
-    if world.rank == 0:
-        print(f"fxpar-run: error: {e}", file=sys.stderr, flush=True)
-    return 2
+    return user_error("fxpar-run", e, comm, checked)
 
 
 if __name__ == "__main__":
