@@ -338,6 +338,29 @@ def epoch_order(n: int, epoch: int, seed: int, shuffle: bool = True) -> list[int
 
 
 @dataclass
+class Epochs:
+    """Step -> sample indices of a set of ``n`` samples: epoch = step // steps_per_epoch, the
+    order of each epoch a permutation seeded by (seed, epoch) (:func:`epoch_order`), the last
+    partial batch dropped. The one rule of FolderBatches and fxpar.io.samples.SampleBatches."""
+
+    n: int
+    batch_size: int
+    seed: int = 0
+    shuffle: bool = True
+    _order: tuple[int, list[int]] | None = field(default=None, repr=False)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.n // self.batch_size
+
+    def indices(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, epoch_order(self.n, epoch, self.seed, self.shuffle))
+        return self._order[1][k * self.batch_size:(k + 1) * self.batch_size]
+
+
+@dataclass
 class FolderBatches:
     """Step-indexed batches of an :class:`ImageFolder`: epoch = step // steps_per_epoch."""
 
@@ -349,23 +372,21 @@ class FolderBatches:
     fill: float | None = None
     """Fill the batch outside the window with this value (tests: NaN proves nothing reads
     there); None leaves it as ``torch.empty`` gives it: never touched, never allocated."""
-    _order: tuple[int, list[int]] | None = field(default=None, repr=False)
+    _epochs: Epochs = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.data) < self.batch_size:
             raise DataError(f"--data {self.data.root} has {len(self.data)} {self.data.kind}s, "
                             f"fewer than one batch of {self.batch_size}: lower --batch-size or "
                             f"add {self.data.kind}s")
+        self._epochs = Epochs(len(self.data), self.batch_size, self.seed, self.shuffle)
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.data) // self.batch_size
+        return self._epochs.steps_per_epoch
 
     def indices(self, step: int) -> list[int]:
-        epoch, k = divmod(step, self.steps_per_epoch)
-        if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, epoch_order(len(self.data), epoch, self.seed, self.shuffle))
-        return self._order[1][k * self.batch_size:(k + 1) * self.batch_size]
+        return self._epochs.indices(step)
 
     def batch(self, step: int, window: Rect | None) -> Batch:
         idx = self.indices(step)

@@ -39,7 +39,7 @@ import torch
 
 from fxpar.core.geometry import Rect
 from fxpar.io import data as folder_data
-from fxpar.io.data import Batch, DataError, epoch_order, spatial_size
+from fxpar.io.data import Batch, DataError, Epochs, spatial_size
 from fxpar.io.images import FORMATS, ImageReader, open_image, to_tensor
 
 TASKS = ("classify", "segment")
@@ -255,7 +255,7 @@ class SampleBatches:
     readers: _Readers = field(default=None, repr=False)  # type: ignore[assignment]
     reads: list[tuple[Path, Rect]] | None = None
     """When a list, every image read appends (file, window in its level's coordinates)."""
-    _order: tuple[int, list[int]] | None = field(default=None, repr=False)
+    _epochs: Epochs = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.readers is None:
@@ -264,6 +264,7 @@ class SampleBatches:
             raise DataError(f"--data {self.data.source} has {len(self.data)} samples, fewer "
                             f"than one batch of {self.batch_size}: lower --batch-size or add "
                             f"samples")
+        self._epochs = Epochs(len(self.data), self.batch_size, self.seed, self.shuffle)
 
     @property
     def task(self) -> str:
@@ -272,17 +273,14 @@ class SampleBatches:
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self.data) // self.batch_size
+        return self._epochs.steps_per_epoch
 
     def __len__(self) -> int:
         """The number of samples (an epoch uses ``steps_per_epoch * batch_size`` of them)."""
         return len(self.data)
 
     def indices(self, step: int) -> list[int]:
-        epoch, k = divmod(step, self.steps_per_epoch)
-        if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, epoch_order(len(self.data), epoch, self.seed, self.shuffle))
-        return self._order[1][k * self.batch_size:(k + 1) * self.batch_size]
+        return self._epochs.indices(step)
 
     def batch(self, step: int, window: Rect | None, target: Rect | None = None,
               targets: bool = True) -> Batch:
