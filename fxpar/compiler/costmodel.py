@@ -283,11 +283,15 @@ def timing(program: Program, profile: Profile) -> Timing:
         for r in ranks:
             held.setdefault(r, set()).add(s)
 
+    split = any(a.kind == "W" for acts in program.schedule.values() for a in acts)
+
     def seconds(rank: int, a: Action) -> float:
         if a.kind == "F":
             return stages[a.stage].f
-        if a.kind == "B":
-            return stages[a.stage].b
+        if a.kind == "B":  # a split backward: about half is input, half weight gradients
+            return stages[a.stage].b / (2 if split else 1)
+        if a.kind == "W":
+            return stages[a.stage].b / 2
         if a.kind == "STEP":
             nbytes = sum(params[s] for s in held.get(rank, ()))
             return profile.slowdown(program.world_size) * (

@@ -2,7 +2,9 @@
 
 Sends never block (the runtime's are nonblocking); a receive completes once its matching send
 has run, no earlier than the sender's clock. F costs ``f_cost`` ticks, B ``b_cost``, the rest 0;
-or, with ``stage_cost``, F of stage s costs ``stage_cost[s]`` and B twice that (see
+a backward split into B and W (zero-bubble schedules: the list has a W for it) costs half of
+``b_cost`` for each; or, with ``stage_cost``, F of stage s costs ``stage_cost[s]`` and B twice
+that (see
 :func:`stage_costs`: forward FLOPs per rank, so a timeline shows where the real work waits).
 The result says how long the step takes and how busy each rank was, so the bubble of a schedule
 can be compared with the formula (p-1)/(m+p-1), and when each action ran (``spans``: what
@@ -79,6 +81,7 @@ def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
     ``timing.transfer`` after its send."""
     together = together or {}
     senders = _senders(links)
+    split = split_keys(schedule)
     sent: dict[Action, float] = {}  # (kind, stage, mb, copy) of a send -> time it ran
     source: dict[Action, int] = {}  # ... and the rank that sent it last
     clock = {r: 0.0 for r in schedule}
@@ -104,6 +107,14 @@ def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
                 elif a.kind in ("SEND_F", "SEND_B"):
                     sent[a] = max(sent.get(a, 0.0), clock[r])
                     source[a] = r
+                elif a.kind == "W":
+                    cost = _cost(a, r, timing, stage_cost, f_cost, b_cost, split)
+                    clock[r] += cost
+                    busy[r] += cost
+                    spans[r].append(Span(a, start, clock[r]))
+                    pc[r] += 1
+                    progress = True
+                    continue
                 elif a.kind in ("F", "B") or (timing is not None and
                                               a.kind in ("ALLREDUCE", "STEP")):
                     if a.kind in ("F", "B"):
@@ -116,7 +127,8 @@ def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
                     if any(schedule[m][pc[m]:pc[m] + 1] != [a] for m in tiles):
                         break  # a collective: every tile must have reached it
                     start = max(clock[m] for m in tiles)
-                    costs = {m: _cost(a, m, timing, stage_cost, f_cost, b_cost) for m in tiles}
+                    costs = {m: _cost(a, m, timing, stage_cost, f_cost, b_cost, split)
+                             for m in tiles}
                     end = start + max(costs.values())  # a collective ends for all at once
                     for m in tiles:
                         clock[m] = end
@@ -134,13 +146,21 @@ def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
     return SimResult(max(clock.values()), busy, spans)
 
 
+def split_keys(schedule: Schedule) -> frozenset[tuple[int, int, int]]:
+    """(copy, stage, micro-batch) of every backward the schedule splits into B and W."""
+    return frozenset((a.copy, a.stage, a.mb) for acts in schedule.values() for a in acts
+                     if a.kind == "W")
+
+
 def _cost(a: Action, rank: int, timing: Timing | None, stage_cost: Mapping[int, float] | None,
-          f_cost: float, b_cost: float) -> float:
+          f_cost: float, b_cost: float, split: frozenset[tuple[int, int, int]] = frozenset()
+          ) -> float:
     if timing is not None:
         return timing.seconds(rank, a)
+    half = a.kind == "W" or (a.kind == "B" and (a.copy, a.stage, a.mb) in split)
     if stage_cost is not None:
-        return stage_cost[a.stage] * (1.0 if a.kind == "F" else 2.0)
-    return f_cost if a.kind == "F" else b_cost
+        return stage_cost[a.stage] * (1.0 if a.kind == "F" else 1.0 if half else 2.0)
+    return f_cost if a.kind == "F" else b_cost / 2 if half else b_cost
 
 
 def stage_costs(program: Program) -> dict[int, float]:
@@ -168,8 +188,14 @@ def validate(schedule: Schedule, links: Links) -> None:
     counts: Counter[Action] = Counter()
     for r, acts in schedule.items():
         done_f: set[tuple[int, int, int]] = set()
+        done_b: set[tuple[int, int, int]] = set()
         for a in acts:
             counts[a] += 1
+            if a.kind == "B":
+                done_b.add((a.copy, a.stage, a.mb))
+            if a.kind == "W" and (a.copy, a.stage, a.mb) not in done_b:
+                raise ScheduleError(f"rank {r}: {a} comes before its input-gradient pass "
+                                    f"{a._replace(kind='B')} (or that runs on another rank)")
             if a.kind in ("F", "B"):
                 key = (a.copy, a.stage)
                 if owner.setdefault(key, r) != r:
@@ -180,7 +206,7 @@ def validate(schedule: Schedule, links: Links) -> None:
             if a.kind == "B" and (a.copy, a.stage, a.mb) not in done_f:
                 raise ScheduleError(f"rank {r}: {a} comes before its forward")
     for a, n in counts.items():
-        if a.kind in ("F", "B") and n != 1:
+        if a.kind in ("F", "B", "W") and n != 1:
             raise ScheduleError(f"{a} appears {n} times")
     fs = {(a.copy, a.stage, a.mb) for a in counts if a.kind == "F"}
     bs = {(a.copy, a.stage, a.mb) for a in counts if a.kind == "B"}
@@ -211,6 +237,8 @@ def interleave(queues: dict[int, list[list[Action]]], links: Links, f_cost: floa
     together: tile groups (see ``Together``); ranks that share two of them (GEMS with spatial
     parts) then meet their peers in each in one order."""
     senders = _senders(links)
+    split = frozenset((a.copy, a.stage, a.mb) for qs in queues.values() for q in qs for a in q
+                      if a.kind == "W")
     sent: dict[Action, float] = {}
     clock = {r: 0.0 for r in queues}
     pcs = {r: [0] * len(qs) for r, qs in queues.items()}
@@ -252,8 +280,8 @@ def interleave(queues: dict[int, list[list[Action]]], links: Links, f_cost: floa
                 clock[m] = t
                 if a.kind in ("SEND_F", "SEND_B"):
                     sent[a] = clock[m]
-                elif a.kind in ("F", "B"):
-                    clock[m] += f_cost if a.kind == "F" else b_cost
+                elif a.kind in ("F", "B", "W"):
+                    clock[m] += _cost(a, m, None, None, f_cost, b_cost, split)
                 out[m].append(a)
                 pcs[m][j] += 1
                 remaining -= 1

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 SLICES = ("vertical", "horizontal", "square", "slab", "pencil", "cube")
 RECOMPUTE = ("never", "always", "except_last", "auto")
 HALO_FUSION = ("off", "auto", "all")
@@ -55,8 +55,11 @@ class Plan:
     microbatches: int = 1
     """Micro-batches each step's batch is split into for pipelining; 1 means no pipelining.
     [--parts]"""
-    schedule: Literal["gpipe", "1f1b"] = "gpipe"
-    """Pipeline schedule: "gpipe" (all forwards, then all backwards) or "1f1b"."""
+    schedule: Literal["gpipe", "1f1b", "zero_bubble"] = "gpipe"
+    """Pipeline schedule: "gpipe" (all forwards, then all backwards), "1f1b", or
+    "zero_bubble" (ZB-H1: 1F1B whose backwards are split into input gradients, sent upstream
+    at once, and weight gradients, run in the slots where 1F1B idles; about a third of 1F1B's
+    bubble at the same peak memory; fxpar.core.schedule.zero_bubble)."""
     spatial_parts: int = 1
     """Tiles each spatial stage's image is cut into, one rank each; 1 means no spatial
     parallelism. [--num-spatial-parts]"""
@@ -193,6 +196,10 @@ class Plan:
             out.append(
                 f"Plan.spatial_stages={self.spatial_stages} exceeds stages={self.stages}: "
                 f"set spatial_stages <= stages (the spatial stages are the leading ones)")
+        if ok and self.schedule == "zero_bubble" and self.recompute_segments > 1:
+            out.append("Plan.schedule='zero_bubble' splits each backward into input and weight "
+                       "gradients, which checkpoint segments would recompute twice: use "
+                       "recompute_segments=1 (stage recompute works), or schedule='1f1b'")
         if ok and self.gems_times > 1 and not self.gems:
             out.append("Plan.gems_times > 1 needs gems=True (it counts rounds of each GEMS copy)")
         if self.grid is not None:

@@ -3,7 +3,8 @@
 An :class:`Action` is a small value with a compact text form that parses back::
 
     0F1      stage 0, forward, micro-batch 1            (copy 0)
-    2B0      stage 2, backward, micro-batch 0
+    2B0      stage 2, backward, micro-batch 0 (with a 2W0 in the list: input gradients only)
+    2W0      stage 2, weight gradients of micro-batch 0 (zero-bubble schedules: deferrable)
     1SEND_F3 stage 1 sends its forward output of micro-batch 3
     c1.0F0   copy 1 (the GEMS mirror) of stage 0, forward, micro-batch 0
     STEP     optimizer step
@@ -18,8 +19,8 @@ import re
 from collections.abc import Callable
 from typing import NamedTuple
 
-KINDS = ("F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "STEP")
-_PATTERN = re.compile(r"^(?:c(\d+)\.)?(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)$")
+KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "STEP")
+_PATTERN = re.compile(r"^(?:c(\d+)\.)?(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)$")
 
 
 class Action(NamedTuple):
@@ -66,6 +67,12 @@ Schedule = dict[int, list[Action]]
 #   s2: .  .  F0 F1 B0 B0 B1 B1
 #
 # 1F1B: stage s runs min(S-1-s, m) warm-up forwards, then alternates F and B, then drains Bs.
+# Zero bubble (ZB-H1): 1F1B with B split into B (input gradients) and W (weight gradients);
+# W fills the slots where 1F1B idles. S=3, m=3, F = B = W = 1 tick:
+#
+#   s0: F0 F1 F2 .  .  B0 W0 B1 W1 B2 W2
+#   s1: .  F0 F1 .  B0 F2 B1 W0 B2 W1 W2
+#   s2: .  .  F0 B0 F1 B1 F2 B2 W0 W1 W2
 
 StageOrder = dict[int, list[Action]]
 
@@ -90,7 +97,33 @@ def one_f_one_b(stages: int, microbatches: int, copy: int = 0) -> StageOrder:
     return out
 
 
-GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def zero_bubble(stages: int, microbatches: int, copy: int = 0) -> StageOrder:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): 1F1B with each backward split
+    into B (input gradients, sent upstream at once) and W (weight gradients). Stage s runs
+    min(S-s, m) warm-up forwards, then for each micro-batch k: B_k, then W_(k-s) once k >= s
+    (stage s defers its first s weight passes into the slots where 1F1B idles), then the next
+    forward; the deferred Ws drain at the end. W runs in micro-batch order, so gradients
+    accumulate in the reference's order. At most S micro-batches are in flight (F done, W not)
+    on any stage: 1F1B's peak (stage 0's). With F = B = W the step takes 3m + S - 1 units
+    against 1F1B's 3(m + S - 1) (m >= S): a third of the bubble."""
+    out: StageOrder = {}
+    for s in range(stages):
+        warm = min(stages - s, microbatches)
+        acts = [Action("F", s, i, copy) for i in range(warm)]
+        done_w = 0
+        for k in range(microbatches):
+            acts.append(Action("B", s, k, copy))
+            if k >= s:
+                acts.append(Action("W", s, done_w, copy))
+                done_w += 1
+            if k + warm < microbatches:
+                acts.append(Action("F", s, k + warm, copy))
+        acts += [Action("W", s, i, copy) for i in range(done_w, microbatches)]
+        out[s] = acts
+    return out
+
+
+GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zero_bubble": zero_bubble}
 
 Links = dict[int, set[int]]
 """Forward data links between stages: ``links[a]`` = stages that receive from stage a."""

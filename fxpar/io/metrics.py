@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from fxpar.io.program import RankProgram
 
 FORMAT = 1
-COMPUTE_KINDS = ("F", "B", "STEP")
+COMPUTE_KINDS = ("F", "B", "W", "STEP")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE")
 
 

@@ -42,6 +42,7 @@ from fxpar.core.schedule import Action, Schedule, format_grid
 from fxpar.core.stages import StageGraph, Transfer
 from fxpar.runtime.recompute import Record, buffers, recording, replaying, restore
 from fxpar.runtime.segments import Segmented, segmented
+from fxpar.runtime.splitgrad import WeightWork, backward_inputs
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 Key = tuple[int, int, int]  # (copy, stage, micro-batch)
@@ -95,6 +96,8 @@ class StepState:
     sends: list[Request] = field(default_factory=list)
     records: dict[Key, Record] = field(default_factory=dict)
     """Recomputed stages: what their first forward exchanged (fxpar.runtime.recompute)."""
+    weights: dict[Key, WeightWork] = field(default_factory=dict)
+    """Split backwards: what each W still has to do (fxpar.runtime.splitgrad)."""
 
 
 @dataclass(frozen=True)
@@ -151,11 +154,12 @@ class Runtime:
     in it, as in a user's autocast block (the stages' casts are graph nodes already:
     fxpar.passes.precision)."""
     _waited: float = field(default=0.0, repr=False)
+    _split: dict[int, frozenset[Key]] = field(default_factory=dict, repr=False)
 
     def run(self, state: StepState, actions: list[Action] | None = None) -> None:
         """The loop: every action of this rank, in order."""
         handlers: dict[str, Callable[[Action, StepState], None]] = {
-            "F": self._forward, "B": self._backward, "STEP": self._step,
+            "F": self._forward, "B": self._backward, "W": self._weights, "STEP": self._step,
             "SEND_F": self._send_f, "RECV_F": self._recv_f,
             "SEND_B": self._send_b, "RECV_B": self._recv_b, "ALLREDUCE": self._allreduce,
         }
@@ -316,8 +320,10 @@ class Runtime:
 
     def _backward_of(self, a: Action, st: StepState, outs: tuple[Any, ...]) -> None:
         key = (a.copy, a.stage, a.mb)
+        roots: list[torch.Tensor] = []
+        seeds: list[torch.Tensor | None] = []
         if a.stage == len(self.graph.modules) - 1:
-            outs[0].backward()
+            roots, seeds = [outs[0]], [None]
         else:
             grads: list[torch.Tensor | None] = [None] * len(outs)
             for p in st.recv_b.pop(key, []):
@@ -332,9 +338,31 @@ class Runtime:
                         grads[t.src_out] = torch.zeros_like(outs[t.src_out])
             pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
                      if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        if key in self._split_keys():  # input gradients now, weight gradients at the W
+            ins = st.inputs.pop(key)
+            if not roots:
+                st.grads[key], st.weights[key] = [None] * len(ins), WeightWork([])
+                return
+            module = self.stages[(a.copy, a.stage)]
+            st.grads[key], st.weights[key] = backward_inputs(roots, seeds, ins,
+                                                             list(module.parameters()))
+            return
+        if roots:
+            torch.autograd.backward(roots, seeds)
         st.grads[key] = [x.grad for x in st.inputs.pop(key)]
+
+    def _split_keys(self) -> frozenset[Key]:
+        """The (copy, stage, micro-batch) whose backward this rank's schedule splits (it has
+        a W for them)."""
+        if self.rank not in self._split:
+            self._split[self.rank] = frozenset((a.copy, a.stage, a.mb)
+                                               for a in self.schedule[self.rank] if a.kind == "W")
+        return self._split[self.rank]
+
+    def _weights(self, a: Action, st: StepState) -> None:
+        """W: the weight gradients of a split backward (fxpar.runtime.splitgrad)."""
+        st.weights.pop((a.copy, a.stage, a.mb)).run()
 
     def _step(self, a: Action, st: StepState) -> None:
         self._block(lambda: Comm.waitall(st.sends))

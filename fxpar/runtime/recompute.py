@@ -167,10 +167,13 @@ def buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def restore(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    """``module``'s buffers back to ``saved`` (after the recomputed graph's backward)."""
+    """``module``'s buffers back to ``saved`` (after the recomputed graph's backward). Written
+    through ``.data``: BatchNorm's backward node keeps the running statistics (unused in
+    training mode) and checks their version, and a zero-bubble W runs that node again after
+    this (fxpar.runtime.splitgrad)."""
     with torch.no_grad():
         for name, b in module.named_buffers():
-            b.copy_(saved[name])
+            b.data.copy_(saved[name])
 
 
 @contextmanager

@@ -104,6 +104,11 @@ class _SyncBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor, _gm: Any, _gv: Any) -> tuple[Any, ...]:
+        if getattr(ctx, "weight_grads", None) is not None:
+            # run again for the weights alone (a zero-bubble W, fxpar.runtime.splitgrad): the
+            # first run's local sums, no second allreduce
+            gw, gb = ctx.weight_grads
+            return None, gw, gb, None, None, None, None
         x, weight, mean, var = ctx.saved_tensors
         w = weight if weight is not None else torch.ones_like(mean)
         gx, gw_l, gb_l = torch.ops.aten.native_batch_norm_backward(
@@ -120,6 +125,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         # parameter gradients stay local: the stage's ALLREDUCE sums them over the tiles
         gw = gw_l if weight is not None and ctx.needs_input_grad[1] else None
         gb = gb_l if weight is not None and ctx.needs_input_grad[2] else None
+        ctx.weight_grads = (gw, gb)
         return gx, gw, gb, None, None, None, None
 
 

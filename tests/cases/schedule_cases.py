@@ -1,0 +1,85 @@
+"""Zero-bubble and interleaved schedules vs one process (run by tests/test_schedules_mpi.py):
+alone and with spatial stages, GEMS and data parallelism; float64, loss, every gradient,
+parameters after 2 steps, buffers. A split backward must leave every weight gradient once:
+a missing W or a W run twice shows up as O(|grad|) in the tensors of that stage."""
+
+import torchvision.models as tvm
+from transparency import Case, check
+
+import fxpar
+from fxpar import models
+
+
+def _resnet18():
+    return tvm.resnet18(num_classes=5)
+
+
+def _amoebanet():
+    return models.build("amoebanet", num_classes=5, num_layers=3, num_filters=16)
+
+
+def _unet():
+    return models.build("unet", in_channels=3, num_classes=5, base_channels=4, depth=3)
+
+
+def P(**kw):  # noqa: N802 - reads like the Plan it builds
+    return fxpar.Plan(**kw)
+
+
+def _weights_split(rp):
+    """The schedule really split this rank's backwards (it has W actions)."""
+    if rp is not None:
+        assert any(a.kind == "W" for a in rp.program.schedule[rp.rank]), "no W action"
+
+
+def case_zb_resnet18_pp2_m4():
+    _weights_split(check(Case(_resnet18, (8, 3, 32, 32),
+                              P(stages=2, microbatches=4, schedule="zero_bubble"))))
+
+
+def case_zb_amoebanet_pp4_m4():
+    _weights_split(check(Case(_amoebanet, (8, 3, 32, 32),
+                              P(stages=4, microbatches=4, schedule="zero_bubble"))))
+
+
+def case_zb_unet_skips_pp3_m2():
+    _weights_split(check(Case(_unet, (4, 3, 16, 16),
+                              P(stages=3, microbatches=2, schedule="zero_bubble"),
+                              segmentation=True)))
+
+
+def case_zb_sp2_pp2_resnet18():
+    # stage 0 on 2 tiles: halo exchanges and BatchNorm statistics in B, none in W
+    _weights_split(check(Case(_resnet18, (4, 3, 64, 64),
+                              P(stages=2, spatial_parts=2, slice="vertical", microbatches=2,
+                                schedule="zero_bubble"))))
+
+
+def case_zb_sp2_two_spatial_stages_amoebanet():
+    _weights_split(check(Case(_amoebanet, (4, 3, 48, 48),
+                              P(stages=3, spatial_parts=2, spatial_stages=2, microbatches=2,
+                                schedule="zero_bubble"))))
+
+
+def case_zb_gems_pp2_amoebanet():
+    _weights_split(check(Case(_amoebanet, (8, 3, 32, 32),
+                              P(stages=2, microbatches=2, gems=True, schedule="zero_bubble"))))
+
+
+def case_zb_dp2_pp2_resnet18():
+    _weights_split(check(Case(_resnet18, (8, 3, 32, 32),
+                              P(stages=2, microbatches=2, data_parallel=2,
+                                schedule="zero_bubble"))))
+
+
+def case_zb_recompute_pp2_resnet18():
+    _weights_split(check(Case(_resnet18, (4, 3, 32, 32),
+                              P(stages=2, microbatches=2, recompute="always",
+                                schedule="zero_bubble"))))
+
+
+def case_zb_5d_resnet18():
+    # 2 stages (stage 0 on 2 tiles) x GEMS x 2 replicas x 2 micro-batches: 6 ranks
+    _weights_split(check(Case(_resnet18, (16, 3, 64, 64),
+                              P(stages=2, spatial_parts=2, slice="vertical", microbatches=2,
+                                gems=True, data_parallel=2, schedule="zero_bubble"))))

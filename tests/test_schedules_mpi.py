@@ -1,0 +1,18 @@
+"""Zero-bubble (split backward) and interleaved schedules under a real mpiexec, exact vs one
+process (float64): loss, every gradient, parameters after 2 SGD steps, buffers."""
+
+import pytest
+from launch import cases_in, check, launch
+
+CASES, NAMES = cases_in("schedule_cases.py")
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(CASES, n=6, timeout=900)
+
+
+@pytest.mark.parametrize("case", CASES, ids=NAMES)
+def test_schedule_transparency(results, case):
+    check(results, case)
