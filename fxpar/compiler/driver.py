@@ -153,9 +153,11 @@ def rank_schedules(rank_map: RankMap, links: Links, sync: bool | None = None) ->
     into one order (tile groups meet in one order), then ALLREDUCE when gradients are summed
     (``sync``; None: when the plan needs it) and STEP."""
     plan = rank_map.plan
-    per_copy = {c: pipeline(plan.stages, chunks_per_copy(plan), plan.schedule, links, copy=c)
-                for c in range(plan.copies)}
-    roles = [[(r.copy, r.stage) for r in rank_map.roles_of(k)] for k in range(plan.world_size)]
+    per_copy = {c: pipeline(plan.stages, chunks_per_copy(plan), plan.schedule, links, copy=c,
+                            per_rank=plan.stages_per_rank)
+                for c in range(plan.copies)}  # keyed by pipeline rank (Plan.position)
+    roles = [list(dict.fromkeys((r.copy, plan.position(r.stage)) for r in rank_map.roles_of(k)))
+             for k in range(plan.world_size)]
     if sync is None:  # gradients to sum: a stage on several ranks, or one rank in both copies
         sync = plan.copies > 1 or any(len(g) > 1 for g in stage_groups(rank_map).values())
     together = rank_map.tile_groups()

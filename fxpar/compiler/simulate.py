@@ -244,8 +244,8 @@ def interleave(queues: dict[int, list[list[Action]]], links: Links, f_cost: floa
     pcs = {r: [0] * len(qs) for r, qs in queues.items()}
     out: dict[int, list[Action]] = {r: [] for r in queues}
     together = together or {}
-    index = {(r, q[0].copy, q[0].stage): i for r, qs in queues.items()
-             for i, q in enumerate(qs) if q}
+    index = {(r, a.copy, a.stage): i for r, qs in queues.items()
+             for i, q in enumerate(qs) for a in q}
 
     def group(r: int, i: int, a: Action) -> list[tuple[int, int]]:
         """(rank, list index) of every rank that runs ``a`` together with ``r``."""

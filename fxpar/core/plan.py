@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b")
 SLICES = ("vertical", "horizontal", "square", "slab", "pencil", "cube")
 RECOMPUTE = ("never", "always", "except_last", "auto")
 HALO_FUSION = ("off", "auto", "all")
@@ -55,11 +55,17 @@ class Plan:
     microbatches: int = 1
     """Micro-batches each step's batch is split into for pipelining; 1 means no pipelining.
     [--parts]"""
-    schedule: Literal["gpipe", "1f1b", "zero_bubble"] = "gpipe"
-    """Pipeline schedule: "gpipe" (all forwards, then all backwards), "1f1b", or
+    schedule: Literal["gpipe", "1f1b", "zero_bubble", "interleaved_1f1b"] = "gpipe"
+    """Pipeline schedule: "gpipe" (all forwards, then all backwards), "1f1b",
     "zero_bubble" (ZB-H1: 1F1B whose backwards are split into input gradients, sent upstream
     at once, and weight gradients, run in the slots where 1F1B idles; about a third of 1F1B's
-    bubble at the same peak memory; fxpar.core.schedule.zero_bubble)."""
+    bubble at the same peak memory; fxpar.core.schedule.zero_bubble), or "interleaved_1f1b"
+    (virtual stages: each rank holds ``stages_per_rank`` stages, Megatron's order; the bubble
+    shrinks by that factor; fxpar.core.schedule.interleaved_1f1b)."""
+    stages_per_rank: int = 1
+    """Stages each rank (group) holds, for ``schedule="interleaved_1f1b"``: the graph is cut
+    into ``stages`` stages over ``stages // stages_per_rank`` pipeline ranks, stage s on pipeline
+    rank s % (stages // stages_per_rank). 1: one stage per rank."""
     spatial_parts: int = 1
     """Tiles each spatial stage's image is cut into, one rank each; 1 means no spatial
     parallelism. [--num-spatial-parts]"""
@@ -164,7 +170,7 @@ class Plan:
 
         ok = all([positive_int(n) for n in
                   ("stages", "microbatches", "spatial_parts", "spatial_stages", "gems_times",
-                   "data_parallel", "recompute_segments")])
+                   "data_parallel", "recompute_segments", "stages_per_rank")])
         if self.schedule not in SCHEDULES:
             out.append(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.recompute not in RECOMPUTE:
@@ -196,6 +202,8 @@ class Plan:
             out.append(
                 f"Plan.spatial_stages={self.spatial_stages} exceeds stages={self.stages}: "
                 f"set spatial_stages <= stages (the spatial stages are the leading ones)")
+        if ok:
+            out += self._virtual_problems()
         if ok and self.schedule == "zero_bubble" and self.recompute_segments > 1:
             out.append("Plan.schedule='zero_bubble' splits each backward into input and weight "
                        "gradients, which checkpoint segments would recompute twice: use "
@@ -219,6 +227,41 @@ class Plan:
                     f"Plan.balance has {len(self.balance)} entries but stages={self.stages}: "
                     f"give one node count per stage")
         return out
+
+    def _virtual_problems(self) -> list[str]:
+        """What stops ``stages_per_rank`` / the interleaved schedule (fields already valid)."""
+        v, out = self.stages_per_rank, []
+        if self.schedule == "interleaved_1f1b" and v < 2:
+            out.append("Plan.schedule='interleaved_1f1b' places several stages on each rank: "
+                       "set stages_per_rank >= 2 (with stages a multiple of it), or use "
+                       "schedule='1f1b'")
+        if v > 1 and self.schedule != "interleaved_1f1b":
+            out.append(f"Plan.stages_per_rank={v} needs schedule='interleaved_1f1b' (the "
+                       f"schedule that runs several stages per rank); {self.schedule!r} runs "
+                       f"one stage per rank: set stages_per_rank=1")
+        if v > 1 and self.stages % v:
+            out.append(f"Plan.stages={self.stages} is not a multiple of stages_per_rank={v}: "
+                       f"each rank holds stages_per_rank stages, so use stages = "
+                       f"{max(v, self.stages // v * v)} or {(self.stages // v + 1) * v}")
+        elif v > 1 and self.microbatches % (self.stages // v):
+            ranks = self.stages // v
+            out.append(f"Plan.schedule='interleaved_1f1b' runs micro-batches in rounds of one "
+                       f"per pipeline rank ({ranks}): make microbatches a multiple of {ranks} "
+                       f"(got {self.microbatches})")
+        elif v > 1 and self.spatial_parts > 1 and self.spatial_stages != self.stages:
+            out.append(f"Plan.stages_per_rank={v} puts stages s and s+{self.stages // v} on one "
+                       f"rank group, so they must have the same tiles: make every stage spatial "
+                       f"(spatial_stages={self.stages}) or set spatial_parts=1")
+        return out
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Ranks (groups) along the pipeline: ``stages // stages_per_rank``."""
+        return self.stages // self.stages_per_rank
+
+    def position(self, stage: int) -> int:
+        """The pipeline rank (0 .. pipeline_ranks - 1) that holds ``stage``."""
+        return stage % self.pipeline_ranks
 
     @property
     def spatial(self) -> bool:
@@ -307,11 +350,12 @@ class RankMap:
 
     plan: Plan
     roles: tuple[tuple[int, int], ...] = field(init=False)
-    """(stage, tile) of each role of one layout, in rank order of copy 0."""
+    """(pipeline rank, tile) of each rank of one layout, in rank order of copy 0 (the
+    pipeline rank is the stage, unless ranks hold several: ``Plan.position``)."""
 
     def __post_init__(self) -> None:
         p = self.plan
-        flat = tuple((s, t) for s in range(p.stages) for t in range(p.group_size(s)))
+        flat = tuple((s, t) for s in range(p.pipeline_ranks) for t in range(p.group_size(s)))
         object.__setattr__(self, "roles", flat)
 
     @property
@@ -321,7 +365,7 @@ class RankMap:
 
     def rank_of(self, dp: int, copy: int, stage: int, tile: int = 0) -> int:
         """The rank that runs ``tile`` of ``stage`` of model ``copy`` in replica ``dp``."""
-        j = self.roles.index((stage, tile))
+        j = self.roles.index((self.plan.position(stage), tile))
         n = self.layout_size
         return dp * n + (j if copy == 0 else n - 1 - j)
 
@@ -342,12 +386,13 @@ class RankMap:
         return rank // self.layout_size
 
     def roles_of(self, rank: int) -> tuple[Role, ...]:
-        """Every role ``rank`` plays: one per model copy (GEMS gives two)."""
-        n = self.layout_size
+        """Every role ``rank`` plays: one per model copy (GEMS gives two) and per stage it
+        holds (``stages_per_rank``)."""
+        n, p = self.layout_size, self.plan
         j = rank % n
-        out = [Role(0, *self.roles[j])]
-        if self.plan.gems:
-            out.append(Role(1, *self.roles[n - 1 - j]))
+        out = [Role(c, pos + k * p.pipeline_ranks, t) for c, (pos, t) in
+               ([(0, self.roles[j])] + ([(1, self.roles[n - 1 - j])] if p.gems else []))
+               for k in range(p.stages_per_rank)]
         return tuple(out)
 
     def describe(self) -> list[dict[str, object]]:

@@ -123,7 +123,36 @@ def zero_bubble(stages: int, microbatches: int, copy: int = 0) -> StageOrder:
     return out
 
 
+def interleaved_1f1b(stages: int, microbatches: int, copy: int = 0,
+                     per_rank: int = 2) -> StageOrder:
+    """Interleaved 1F1B (Narayanan et al., 2021; Megatron-LM's order), keyed by pipeline rank:
+    P = stages / per_rank ranks, rank p holds stages p, p + P, ... (its *chunks*). Forwards run
+    in rounds of P micro-batches, each round through chunk 0, then chunk 1, ...; backwards in
+    the same rounds, last chunk first. Rank p runs 2(P-1-p) + (per_rank-1)P warm-up forwards,
+    then alternates F and B, then drains its Bs. Each stage sees its micro-batches in order
+    (gradients accumulate in the reference's order). The bubble is 1F1B's divided by
+    per_rank: (P-1)/(per_rank m + P - 1) with free communication. Needs m % P == 0."""
+    ranks = stages // per_rank
+    total = microbatches * per_rank
+
+    def at(k: int, kind: str, p: int) -> Action:
+        rnd, within = divmod(k, ranks * per_rank)
+        chunk = within // ranks if kind == "F" else per_rank - 1 - within // ranks
+        return Action(kind, chunk * ranks + p, rnd * ranks + within % ranks, copy)
+
+    out: StageOrder = {}
+    for p in range(ranks):
+        warm = min(2 * (ranks - 1 - p) + (per_rank - 1) * ranks, total)
+        acts = [at(k, "F", p) for k in range(warm)]
+        for i in range(total - warm):
+            acts += [at(warm + i, "F", p), at(i, "B", p)]
+        acts += [at(i, "B", p) for i in range(total - warm, total)]
+        out[p] = acts
+    return out
+
+
 GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zero_bubble": zero_bubble}
+"""One stage per rank: ``generator(stages, microbatches, copy)``, keyed by stage."""
 
 Links = dict[int, set[int]]
 """Forward data links between stages: ``links[a]`` = stages that receive from stage a."""
@@ -156,19 +185,23 @@ def add_comm(order: list[Action], links: Links, grads: bool = True) -> list[Acti
 
 
 def pipeline(stages: int, microbatches: int, name: str = "gpipe",
-             links: Links | None = None, copy: int = 0) -> Schedule:
-    """Per stage (keyed by stage; with one rank per stage, also by rank): compute order,
-    communication, and a final STEP."""
-    order = GENERATORS[name](stages, microbatches, copy)
+             links: Links | None = None, copy: int = 0, per_rank: int = 1) -> Schedule:
+    """Per pipeline rank (keyed by its index; with one stage per rank, the stage): compute
+    order, communication, and a final STEP. ``per_rank`` > 1: stages each rank holds
+    (``interleaved_1f1b``)."""
+    if name == "interleaved_1f1b":
+        order = interleaved_1f1b(stages, microbatches, copy, per_rank)
+    else:
+        order = GENERATORS[name](stages, microbatches, copy)
     links = links if links is not None else chain(stages)
-    return {s: [*add_comm(order[s], links), Action("STEP")] for s in range(stages)}
+    return {p: [*add_comm(acts, links), Action("STEP")] for p, acts in order.items()}
 
 
 def place(per_copy: dict[int, Schedule], roles: list[list[tuple[int, int]]], sync: bool,
           merge: Callable[[dict[int, list[list[Action]]]], Schedule]) -> Schedule:
-    """Per rank: the lists of the (copy, stage) roles it plays, merged by ``merge`` (one role:
-    as is); then ALLREDUCE (gradient sum over each stage's tiles, copies and replicas) when
-    ``sync``; then STEP."""
+    """Per rank: the lists of the (copy, pipeline rank) roles it plays, merged by ``merge``
+    (one role: as is); then ALLREDUCE (gradient sum over each stage's tiles, copies and
+    replicas) when ``sync``; then STEP."""
     queues = {r: [per_copy[c][s][:-1] for c, s in rs] for r, rs in enumerate(roles)}
     merged = merge(queues) if any(len(q) > 1 for q in queues.values()) else \
         {r: q[0] for r, q in queues.items()}

@@ -83,3 +83,40 @@ def case_zb_5d_resnet18():
     _weights_split(check(Case(_resnet18, (16, 3, 64, 64),
                               P(stages=2, spatial_parts=2, slice="vertical", microbatches=2,
                                 gems=True, data_parallel=2, schedule="zero_bubble"))))
+
+
+def case_i1f1b_resnet18_4stages_on_2_ranks():
+    rp = check(Case(_resnet18, (8, 3, 32, 32),
+                    P(stages=4, stages_per_rank=2, microbatches=4, schedule="interleaved_1f1b")))
+    if rp is not None:  # rank r holds stages r and r + 2
+        assert sorted(s for _, s in rp.stages) == [rp.rank, rp.rank + 2]
+
+
+def case_i1f1b_amoebanet_6stages_on_3_ranks_m3():
+    check(Case(_amoebanet, (6, 3, 32, 32),
+               P(stages=6, stages_per_rank=2, microbatches=3, schedule="interleaved_1f1b")))
+
+
+def case_i1f1b_unet_skips():
+    check(Case(_unet, (4, 3, 16, 16),
+               P(stages=4, stages_per_rank=2, microbatches=2, schedule="interleaved_1f1b"),
+               segmentation=True))
+
+
+def case_i1f1b_all_spatial_sp2():
+    # every stage on 2 tiles: 2 pipeline ranks x 2 tiles, each rank holding 2 stages' tiles
+    check(Case(_resnet18, (4, 3, 64, 64),
+               P(stages=4, stages_per_rank=2, spatial_parts=2, spatial_stages=4,
+                 slice="vertical", microbatches=2, schedule="interleaved_1f1b")))
+
+
+def case_i1f1b_gems():
+    check(Case(_amoebanet, (8, 3, 32, 32),
+               P(stages=4, stages_per_rank=2, microbatches=2, gems=True,
+                 schedule="interleaved_1f1b")))
+
+
+def case_i1f1b_dp2():
+    check(Case(_resnet18, (8, 3, 32, 32),
+               P(stages=4, stages_per_rank=2, microbatches=2, data_parallel=2,
+                 schedule="interleaved_1f1b")))
