@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 
+import matplotlib.colors
 import matplotlib.image
 import pytest
 import torch
@@ -19,6 +20,7 @@ from fxpar.cli.inspect import PASS_NAMES, main
 from fxpar.compiler import draw, memory
 from fxpar.compiler.report import node_table
 from fxpar.compiler.simulate import simulate, stage_costs
+from fxpar.core.schedule import Action, pipeline
 from fxpar.core.units import nbytes
 from fxpar.io.emit import rank_sources
 from fxpar.passes.split_stages import StageAssignment
@@ -343,6 +345,61 @@ def test_timeline_png_has_a_row_per_rank(capsys, net, tmp_path, program):
     assert len(ax.patches) == sum(len(a) for a in program.schedule.values())
 
 
+def test_timeline_of_a_zero_bubble_schedule_draws_w_apart(capsys, net, tmp_path):
+    """ZB-H1 splits each backward into B (input gradients) and W (weight gradients): W bars
+    have their own kind, colour, legend entry and micro-batch number; unit costs F=1, B=W=1."""
+    _, prog = build(net, schedule="zero_bubble")
+    bars = draw.timeline_bars(prog)
+    compute = {r: [a for a in acts if a[1] in "FBW"] for r, acts in _by_rank(bars).items()}
+    assert compute == {0: ["0F0", "0F1", "0B0", "0W0", "0B1", "0W1"],
+                       1: ["1F0", "1B0", "1F1", "1B1", "1W0", "1W1"]}
+    ws = [b for bs in bars.values() for b in bs if b.kind == "W"]
+    assert [(b.action, b.stage, b.mb, b.end - b.start) for b in ws] == [
+        ("0W0", 0, 0, 1), ("0W1", 0, 1, 1), ("1W0", 1, 0, 1), ("1W1", 1, 1, 1)]
+    assert {b.end - b.start for bs in bars.values() for b in bs if b.kind == "B"} == {1}
+    assert draw.bar_kind("W") == "W"
+    assert len(set(draw.KIND_COLOURS.values())) == len(draw.KIND_COLOURS)
+    fig = draw.timeline_figure(bars, "t", "x")
+    ax = fig.axes[0]
+    assert len(ax.patches) == sum(len(a) for a in prog.schedule.values())
+    w_colour = matplotlib.colors.to_rgba(draw.KIND_COLOURS["W"])
+    assert sum(p.get_facecolor() == w_colour for p in ax.patches) == 4
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[:3] == ["F (forward)", "B (input gradients)", "W (weight gradients)"]
+    assert sorted(t.get_text() for t in ax.texts) == sorted("000111" * 2)  # F, B, W of each
+    plain = draw.timeline_figure(draw.timeline_bars(build(net)[1]), "t", "x").axes[0]
+    assert [t.get_text() for t in plain.get_legend().get_texts()][:3] == [
+        "F (forward)", "B (backward)", "send"]  # no W without a split
+    f = tmp_path / "zb.png"
+    rc, out, _ = cli(capsys, *small(net, "--stages", 2, "--microbatches", 2, "--schedule",
+                                    "zero_bubble", "--timeline", f))
+    assert rc == 0 and f"wrote {f}" in out and f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rc, out, _ = cli(capsys, *small(net, "--stages", 2, "--microbatches", 2, "--schedule",
+                                    "zero_bubble"))
+    assert rc == 0 and "0W0" in out and "1W1" in out
+    # 2 stages, 2 micro-batches: 3m + S - 1 = 7 ticks, each rank busy 3m = 6
+    assert "simulated bubble (F=1, B=1, W=1 ticks): 14.3%; one copy's formula " \
+        "(p-1)/(3m+p-1) = 14.3%" in out
+    rc, out, _ = cli(capsys, *small(net, "--stages", 2, "--microbatches", 2, "--schedule",
+                                    "zero_bubble", "--profile", "h100-nvlink-ib"))
+    assert rc == 0 and re.search(r"stage 1: F [0-9.]+ ms, B ([0-9.]+) ms, W \1 ms per", out)
+
+
+def test_bubble_formulas_printed_match_the_simulator():
+    from fxpar.cli.inspect import bubble_formula
+    from fxpar.core.schedule import chain, pipeline
+
+    for name in ("gpipe", "1f1b", "zero_bubble"):
+        for p, m in [(2, 1), (2, 4), (3, 2), (4, 4), (4, 9), (6, 3)]:
+            text, value = bubble_formula(name, p, m)
+            assert simulate(pipeline(p, m, name), chain(p)).bubble == pytest.approx(value), \
+                (name, p, m, text)
+    assert bubble_formula("zero_bubble", 3, 2)[0] == "(2p-m-1)/(2m+2p-1) (m < p)"
+    for p, v, m in [(4, 2, 2), (4, 2, 4), (6, 3, 4), (8, 2, 8), (8, 4, 4)]:
+        sim = simulate(pipeline(p, m, "interleaved_1f1b", per_rank=v), chain(p))
+        assert sim.bubble == pytest.approx(bubble_formula("interleaved_1f1b", p, m, v)[1])
+
+
 METRICS = {
     "fxpar_metrics": 1, "model": "models:amoebanet", "world_size": 2,
     "plan": {"stages": 2, "gems": True}, "steps": 3, "batch_size": 4, "images_per_s": 10.0,
@@ -412,7 +469,8 @@ def test_profile_predicts_the_step_and_draws_it_next_to_a_run(capsys, net, tmp_p
 
 
 # -- --memory ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule, flight", [("gpipe", (2, 2)), ("1f1b", (2, 1))])
+@pytest.mark.parametrize("schedule, flight", [("gpipe", (2, 2)), ("1f1b", (2, 1)),
+                                              ("zero_bubble", (2, 2))])
 def test_memory_matches_a_hand_count(net, schedule, flight):
     _, prog = build(net, schedule=schedule, dtype=torch.float64)
     e = 8  # float64
@@ -428,6 +486,52 @@ def test_memory_matches_a_hand_count(net, schedule, flight):
                           cut * flight[1]),
     ]
     assert memory.estimate(prog) == want
+
+
+@pytest.mark.parametrize("stages, m", [(1, 1), (2, 1), (3, 2), (3, 5), (4, 4), (5, 8)])
+def test_in_flight_is_read_off_the_schedule(stages, m):
+    """F done minus the backwards that free activations (W where the backward is split, else
+    B), at its most on each stage: GPipe m, 1F1B min(m, S - s), ZB-H1 min(m, S)."""
+    want = {"gpipe": lambda s: m, "1f1b": lambda s: min(m, stages - s),
+            "zero_bubble": lambda s: min(m, stages)}
+    for name, flight in want.items():
+        sched = pipeline(stages, m, name)
+        assert memory.schedule_in_flight(sched) == {s: flight(s) for s in range(stages)}, name
+    # a split B frees nothing: counted at W; unsplit at B
+    F, B, W = (Action(k, 0, 0) for k in "FBW")
+    F1, B1 = Action("F", 0, 1), Action("B", 0, 1)
+    assert memory.schedule_in_flight({0: [F, B, F1, W, B1]}) == {0: 2}
+    assert memory.schedule_in_flight({0: [F, B, W, F1, B1]}) == {0: 1}
+
+
+def test_in_flight_of_interleaved_1f1b_by_hand():
+    """4 stages on 2 ranks (rank 0: stages 0 and 2), 4 micro-batches. Rank 0 warms up with
+    4 forwards (0F0 0F1 2F0 2F1), then 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1, then 2B2 2B3 0B2 0B3:
+    stage 0 holds all 4 before its first B, stage 2 at most 2. Rank 1: 1F0 1F1, then 3F0 3B0
+    3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3, then 1B2 1B3: stage 1 at most 3, stage 3 one."""
+    sched = pipeline(4, 4, "interleaved_1f1b", per_rank=2)
+    order = {r: " ".join(str(a) for a in acts if a.kind in "FB") for r, acts in sched.items()}
+    assert order == {0: "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+                     1: "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"}
+    assert memory.schedule_in_flight(sched) == {0: 4, 1: 3, 2: 2, 3: 1}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+def test_in_flight_of_a_gems_program_counts_each_copy(net, schedule):
+    """GEMS: each copy's stage holds at most its own copy's micro-batches in flight."""
+    _, prog = build(net, schedule=schedule, gems=True)
+    assert prog.plan.copies == 2
+    per_copy = {c: {s: 0 for s in range(2)} for c in range(2)}
+    for acts in prog.schedule.values():
+        for c in range(2):
+            order = pipeline(2, 2, schedule, copy=c)
+            for s in range(2):
+                mine = [a for a in acts if a.copy == c and a.stage == s and a.kind in "FBW"]
+                if mine:  # the merge keeps each copy's order of a stage's actions
+                    assert mine == [a for a in order[s] if a.kind in "FBW"]
+                    per_copy[c][s] = memory.schedule_in_flight({0: mine})[s]
+    assert [memory.in_flight(prog, s) for s in range(2)] == \
+        [max(per_copy[c][s] for c in range(2)) for s in range(2)]
 
 
 def test_memory_table_in_the_cli(capsys, net):

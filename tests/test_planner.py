@@ -16,7 +16,7 @@ import fxpar
 from fxpar.cli.inspect import main as inspect_main
 from fxpar.compiler.costmodel import predict
 from fxpar.compiler.memory import estimate
-from fxpar.compiler.planner import describe, layouts, plan_auto
+from fxpar.compiler.planner import candidates, describe, layouts, plan_auto
 from fxpar.compiler.planspace import TOLERANCE, analyse, cut_positions, evaluate, stage_cuts
 from fxpar.compiler.profile import Profile
 from fxpar.core.plan import Plan, PlanError
@@ -49,7 +49,9 @@ PLANS = [{}, {"stages": 2}, {"stages": 2, "microbatches": 4},
          {"data_parallel": 2}, {"stages": 2, "spatial_parts": 2, "microbatches": 2},
          {"spatial_parts": 2, "data_parallel": 2},
          {"stages": 3, "spatial_parts": 2, "spatial_stages": 2, "microbatches": 2,
-          "schedule": "1f1b"}]
+          "schedule": "1f1b"}, {"stages": 3, "microbatches": 4, "schedule": "zero_bubble"},
+         {"stages": 2, "gems": True, "microbatches": 2, "schedule": "zero_bubble"},
+         {"stages": 2, "spatial_parts": 2, "microbatches": 4, "schedule": "zero_bubble"}]
 
 
 @pytest.mark.parametrize("fields", PLANS, ids=[describe(Plan(**f)) for f in PLANS])
@@ -67,6 +69,34 @@ def test_fast_estimate_is_the_cost_model_of_the_compiled_program(table, profile,
     assert est.bubble == pytest.approx(full.bubble, abs=0.03)
     peak = max(m.total for m in estimate(program))
     assert 0.8 <= est.memory / peak <= 1.25, (est.memory, peak)
+
+
+@pytest.mark.parametrize("stages, m", [(2, 4), (3, 4), (4, 8)])
+def test_zero_bubble_estimate_splits_the_backward(table, stages, m):
+    """Against 1F1B on the same cuts: the same work, a smaller ramp (ZB-H1's (p-1)(F+B-W)
+    against (p-1)(F+B)), in closed form and in the simulator, which runs B and W at half the
+    backward each; activations of min(m, S) micro-batches on every stage. Where the last
+    stage is the slowest, both take about its start plus its m (F + B): little to fill."""
+    one = evaluate(table, Plan(stages=stages, microbatches=m, schedule="1f1b"))
+    zb = evaluate(table, Plan(stages=stages, microbatches=m, schedule="zero_bubble"))
+    assert one is not None and zb is not None and zb.stages == one.stages
+    st = zb.stages
+    work = [f + b for f, b in zip(st.f, st.b, strict=True)]
+    assert zb.step_s <= one.step_s and zb.bubble <= one.bubble
+    if max(range(stages), key=lambda j: work[j]) != stages - 1:
+        assert zb.step_s < 0.99 * one.step_s
+    fast = evaluate(table, Plan(stages=stages, microbatches=m, schedule="zero_bubble"),
+                    exact=False)
+    assert fast is not None and fast.step_s == pytest.approx(zb.step_s, rel=0.1)
+    assert fast.step_s >= m * max(work) + sum(st.f) - max(st.f)  # communication on top
+    assert zb.memory >= one.memory
+
+
+def test_candidates_try_every_pipeline_schedule():
+    plans, _ = candidates(2, 8, 0, 2)
+    pipelined = {(p.microbatches, p.schedule) for p in plans if p.stages == 2 and not p.gems}
+    assert pipelined == {(1, "gpipe")} | {(m, s) for m in (2, 4, 8)
+                                         for s in ("gpipe", "1f1b", "zero_bubble")}
 
 
 def test_the_harness_sees_a_wrong_estimate(profile):

@@ -35,7 +35,7 @@ from fxpar.compiler.passdriver import HALO, TRACE, dump
 from fxpar.compiler.planner import DEFAULT_PROFILE, plan_auto
 from fxpar.compiler.profile import Profile, ProfileError
 from fxpar.compiler.report import halo_table, node_table, rank_table, stage_table, totals_line
-from fxpar.compiler.simulate import simulate, stage_costs
+from fxpar.compiler.simulate import simulate, split_keys, stage_costs
 from fxpar.core.plan import (
     HALO_FUSION,
     PRECISION_DTYPES,
@@ -197,12 +197,14 @@ def _print_views(args: argparse.Namespace, program: Program, dumps: dict[str, st
     elif args.timeline is not None:
         costs = {s: f / 1e9 for s, f in stage_costs(program).items()}
         unit = not any(costs.values())
+        split = split_keys(program.schedule)
         draw.draw_timeline(
             draw.timeline_bars(program, None if unit else costs), args.timeline,
             f"{args.model}: {plan.schedule}, {plan.stages} stage(s), {plan.microbatches} "
             f"micro-batch(es){', GEMS' if plan.gems else ''} (simulated)",
-            "simulated time: ticks (F=1, B=2)" if unit else
-            "simulated time: forward GFLOP per rank (B = 2x F; communication free)")
+            f"simulated time: ticks ({_tick_costs(split)})" if unit else
+            f"simulated time: forward GFLOP per rank "
+            f"({'B = W = F' if split else 'B = 2x F'}; communication free)")
         print(f"wrote {args.timeline} (simulated timeline of {program.world_size} rank(s))")
     if args.memory:
         print(memory_table(program))
@@ -217,8 +219,11 @@ def _predict(args: argparse.Namespace, program: Program) -> None:
                    together=program.rank_map.tile_groups(), timing=tm)
     plan = program.plan
     print(f"predicted step on {profile.name!r}: {sim.makespan:.4f} s, bubble {sim.bubble:.1%}")
+    split = split_keys(program.schedule)
     for s, st in tm.stages.items():
-        print(f"  stage {s}: F {st.f * 1e3:.3f} ms, B {st.b * 1e3:.3f} ms per micro-batch "
+        back = f"B {st.b / 2 * 1e3:.3f} ms, W {st.b / 2 * 1e3:.3f} ms" if split else \
+            f"B {st.b * 1e3:.3f} ms"
+        print(f"  stage {s}: F {st.f * 1e3:.3f} ms, {back} per micro-batch "
               f"(halos and statistics {st.comm_f * 1e3:.3f} ms each way)")
     if args.timeline is None:
         return
@@ -343,9 +348,33 @@ def _print_report(gm: fx.GraphModule, program: Program | None) -> None:
         print(format_grid(program.schedule))
         sim = simulate(program.schedule, links_of(program.graph),
                        together=program.rank_map.tile_groups())
-        print(f"simulated bubble (F=1, B=2 ticks): {sim.bubble:.1%}; one copy's formula "
-              f"(p-1)/(m+p-1) = "
-              f"{(plan.stages - 1) / (plan.microbatches + plan.stages - 1):.1%}")
+        formula, value = bubble_formula(plan.schedule, plan.stages, plan.microbatches,
+                                        plan.stages_per_rank)
+        print(f"simulated bubble ({_tick_costs(split_keys(program.schedule))} ticks): "
+              f"{sim.bubble:.1%}; one copy's formula {formula} = {value:.1%}")
+
+
+def _tick_costs(split: frozenset[tuple[int, int, int]]) -> str:
+    """The simulator's unit costs: a backward split into B (input gradients) and W (weight
+    gradients) costs one tick each."""
+    return "F=1, B=1, W=1" if split else "F=1, B=2"
+
+
+def bubble_formula(schedule: str, p: int, m: int, per_rank: int = 1) -> tuple[str, float]:
+    """The published idle fraction of one copy's schedule of ``p`` stages with unit costs
+    (F=1, B=2; a zero-bubble schedule's B and W 1 each) and free communication, as text and
+    value: GPipe and 1F1B (p-1)/(m+p-1); ZB-H1 (p-1)/(3m+p-1) once m >= p, and with fewer
+    micro-batches than stages, where the pipeline never fills, the simulator's
+    (2p-m-1)/(2m+2p-1); interleaved 1F1B with v = ``per_rank`` stages on each of P = p / v
+    ranks (P-1)/(vm+P-1)."""
+    if schedule == "interleaved_1f1b":
+        ranks = p // per_rank
+        return "(P-1)/(vm+P-1)", (ranks - 1) / (per_rank * m + ranks - 1)
+    if schedule == "zero_bubble":
+        if m >= p:
+            return "(p-1)/(3m+p-1)", (p - 1) / (3 * m + p - 1)
+        return "(2p-m-1)/(2m+2p-1) (m < p)", (2 * p - m - 1) / (2 * m + 2 * p - 1)
+    return "(p-1)/(m+p-1)", (p - 1) / (m + p - 1)
 
 if __name__ == "__main__":
     sys.exit(main())

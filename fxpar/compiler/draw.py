@@ -215,7 +215,8 @@ class Bar:
     rank: int
     action: str
     kind: str
-    """F, B, send, recv, allreduce or step: what the bar's colour says."""
+    """F, B, W, send, recv, allreduce or step: what the bar's colour says (W: the weight
+    gradients of a backward that a zero-bubble schedule split, B then its input gradients)."""
     start: float
     end: float
     stage: int = -1
@@ -226,8 +227,14 @@ class Bar:
     start of the bar, where the runtime waits for the data it needs)."""
 
 
-KIND_COLOURS = {"F": "#4e79a7", "B": "#f28e2b", "send": "#59a14f", "recv": "#b07aa1",
-                "allreduce": "#e15759", "step": "#7f7f7f"}
+KIND_COLOURS = {"F": "#4e79a7", "B": "#f28e2b", "W": "#76b7b2", "send": "#59a14f",
+                "recv": "#b07aa1", "allreduce": "#e15759", "step": "#7f7f7f"}
+KIND_LABELS = {"F": "F (forward)", "B": "B (backward)", "W": "W (weight gradients)",
+               "send": "send", "recv": "recv (waiting)", "allreduce": "allreduce", "step": "step"}
+"""Legend entries; where a chart has W bars, B is only the input gradients (``SPLIT_B``)."""
+SPLIT_B = "B (input gradients)"
+COMPUTE = ("F", "B", "W")
+"""Bar kinds that carry the micro-batch number."""
 
 
 def bar_kind(kind: str) -> str:
@@ -236,11 +243,11 @@ def bar_kind(kind: str) -> str:
         return "send"
     if kind.startswith("RECV"):
         return "recv"
-    if kind in ("F", "B"):
+    if kind in COMPUTE:
         return kind
     if kind in ("ALLREDUCE", "STEP"):
         return kind.lower()
-    raise ValueError(f"unknown action kind {kind!r} (expected one of F, B, SEND_F, RECV_F, "
+    raise ValueError(f"unknown action kind {kind!r} (expected one of F, B, W, SEND_F, RECV_F, "
                      f"SEND_B, RECV_B, ALLREDUCE, STEP)")
 
 
@@ -254,7 +261,8 @@ def bars_from_sim(result: SimResult) -> dict[int, list[Bar]]:
 def timeline_bars(program: Program, stage_cost: Mapping[int, float] | None = None,
                   timing: Timing | None = None) -> dict[int, list[Bar]]:
     """Simulate one training step of ``program`` (F of stage s costs ``stage_cost[s]``, B
-    twice that; unit costs F=1, B=2 when None; seconds of a cost model with ``timing``) and
+    twice that, or B and W as much as F each where a zero-bubble schedule splits the backward;
+    unit costs F=1, B=2 (B=W=1) when None; seconds of a cost model with ``timing``) and
     return each rank's bars."""
     return bars_from_sim(simulate(program.schedule, links_of(program.graph),
                                   stage_cost=stage_cost,
@@ -276,8 +284,9 @@ def bars_from_metrics(metrics: Mapping[str, Any]) -> dict[int, list[Bar]]:
 
 
 def timeline_figure(bars: Mapping[int, list[Bar]], title: str, xlabel: str) -> Figure:
-    """A Gantt chart: one row per rank (rank 0 on top), one bar per action, coloured by kind,
-    the micro-batch number in F/B bars, GEMS copy 1 hatched, receives (time spent waiting)
+    """A Gantt chart: one row per rank (rank 0 on top), one bar per action, coloured by kind
+    (a zero-bubble schedule's W, the weight gradients, in its own colour), the micro-batch
+    number in F/B/W bars, GEMS copy 1 hatched, receives (time spent waiting)
     and the part of other actions blocked on communication (``Bar.wait``) pale. Zero-length
     actions (a send in the simulator) get a thin sliver so they show."""
     Figure = _needs("matplotlib.figure", "drawing a timeline (--timeline)").Figure
@@ -322,7 +331,7 @@ def _gantt(ax: Any, bars: Mapping[int, list[Bar]], title: str, xlabel: str, Patc
             if b.wait > 0 and b.kind != "recv":
                 ax.barh(r, min(b.wait, width), left=b.start, height=0.7,
                         color=KIND_COLOURS["recv"], alpha=0.6, linewidth=0)
-            if b.kind in ("F", "B") and b.mb >= 0 and width > end * 0.012:
+            if b.kind in COMPUTE and b.mb >= 0 and width > end * 0.012:
                 ax.text(b.start + width / 2, r, str(b.mb), ha="center", va="center",
                         fontsize=7, color="white")
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
@@ -332,9 +341,10 @@ def _gantt(ax: Any, bars: Mapping[int, list[Bar]], title: str, xlabel: str, Patc
     ax.set_title(title)
     if not legend:
         return
+    split = any(b.kind == "W" for bs in bars.values() for b in bs)
     handles = [Patch(color=c, alpha=0.45 if k == "recv" else 1.0,
-                     label="recv (waiting)" if k == "recv" else k)
-               for k, c in KIND_COLOURS.items()]
+                     label=SPLIT_B if k == "B" and split else KIND_LABELS[k])
+               for k, c in KIND_COLOURS.items() if k != "W" or split]
     if any(b.copy == 1 for bs in bars.values() for b in bs):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
                              label="GEMS copy 1"))

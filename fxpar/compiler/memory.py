@@ -6,10 +6,12 @@ An estimate from the analysed graph, before anything runs, to choose a plan that
   copy); gradients: one per trainable parameter; optimizer state: one momentum buffer per
   trainable parameter (SGD with momentum; Adam would hold two);
 - activations kept for backward: the output bytes of the stage's nodes for one micro-batch
-  (``NodeCost.out_bytes``), times the micro-batches in flight on that stage (GPipe: all m of
-  its copy; 1F1B: ``min(m, stages - stage)``). On a spatial stage a tiled node's output is
-  split over the P tiles, and each halo adds what it keeps for backward: a fused ``HaloOp``
-  the pieces it received, a plain ``Halo`` its whole window (the op after it saves that);
+  (``NodeCost.out_bytes``), times the micro-batches in flight on that stage, read off the
+  program's schedule (:func:`schedule_in_flight`; GPipe: all m of its copy; 1F1B:
+  ``min(m, stages - stage)``; zero bubble: ``min(m, stages)`` on every stage). On a spatial
+  stage a tiled node's output is split over the P tiles, and each halo adds what it keeps for
+  backward: a fused ``HaloOp`` the pieces it received, a plain ``Halo`` its whole window (the
+  op after it saves that);
 - received buffers: the tensors received from earlier stages (kept as inputs for backward, so
   also per micro-batch in flight) plus one micro-batch of gradients received from later stages.
 
@@ -20,16 +22,20 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import fx, nn
 
+from fxpar.compiler.simulate import split_keys
 from fxpar.core import meta
 from fxpar.core.geometry import Rect
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.roles import chunks_per_copy
+from fxpar.core.schedule import Schedule
 from fxpar.core.stages import Transfer
 from fxpar.core.units import nbytes
 from fxpar.passes.spatial_region import SpatialLayout
@@ -43,8 +49,9 @@ if TYPE_CHECKING:
 HEADER = ("estimated peak memory per rank\n"
           "  optimizer state: SGD with momentum = 1x the trainable parameters; params include "
           "buffers\n"
-          "  activations: one micro-batch's node outputs x micro-batches in flight (GPipe: m, "
-          "1F1B: min(m, stages - stage)); spatial stages: 1/P of tiled outputs + halos; "
+          "  activations: one micro-batch's node outputs x micro-batches in flight (from the "
+          "schedule: GPipe m, 1F1B min(m, stages - stage), zero bubble min(m, stages)); "
+          "spatial stages: 1/P of tiled outputs + halos; "
           "recomputed stages: one micro-batch + the halos of those in flight\n"
           "  received: inputs from earlier stages per micro-batch in flight + one micro-batch "
           "of gradients\n"
@@ -69,11 +76,51 @@ class RankMemory:
 
 
 def in_flight(program: Program, stage: int) -> int:
-    """Micro-batches whose activations a stage holds at once (per model copy)."""
-    m = chunks_per_copy(program.plan)
-    if program.plan.schedule == "1f1b":
-        return min(m, program.plan.stages - stage)
-    return m
+    """Micro-batches whose activations a stage holds at once (per model copy), from the
+    program's schedule (:func:`schedule_in_flight`)."""
+    return schedule_in_flight(program.schedule).get(stage, chunks_per_copy(program.plan))
+
+
+def schedule_in_flight(schedule: Schedule) -> dict[int, int]:
+    """Per stage, the most micro-batches of one model copy whose activations it holds at once
+    on any rank: over each rank's list, the forwards done minus the backwards that freed their
+    activations (a W, where the schedule splits the backward: its B frees nothing, W still
+    needs them; else the B). Every schedule is covered, whatever its order."""
+    split = split_keys(schedule)
+    out: dict[int, int] = {}
+    for acts in schedule.values():
+        held: Counter[tuple[int, int]] = Counter()
+        for a in acts:
+            if a.kind == "F":
+                held[a.copy, a.stage] += 1
+                out[a.stage] = max(out.get(a.stage, 0), held[a.copy, a.stage])
+            elif a.kind == "W" or (a.kind == "B" and (a.copy, a.stage, a.mb) not in split):
+                held[a.copy, a.stage] -= 1
+    return out
+
+
+def peak_bytes(act: Sequence[int], params: Sequence[int], sent: Sequence[int],
+               held: Mapping[int, Sequence[int]], flights: Mapping[int, int],
+               recompute: bool = False) -> int:
+    """The fullest rank's bytes of a plan the planner costs without compiling it
+    (fxpar.compiler.planspace), with the terms of :func:`estimate`: per rank, for each stage i
+    it holds (``held``), ``act[i]`` bytes kept per micro-batch and the ``sent[i - 1]`` bytes it
+    received, for each of the ``flights[i]`` micro-batches in flight (only one micro-batch's
+    activations when ``recompute``), parameters, gradients and momentum (3 x ``params[i]``),
+    and one micro-batch of gradients of what it sends on."""
+    k = len(act)
+    out = 0
+    for stages in held.values():
+        total = 0
+        for i in stages:
+            received = sent[i - 1] if i > 0 else 0
+            if recompute:
+                total += act[i] + flights[i] * received
+            else:
+                total += flights[i] * (act[i] + received)
+            total += 3 * params[i] + (sent[i] if i < k - 1 else 0)
+        out = max(out, total)
+    return out
 
 
 def _tensor_bytes(ts: list[torch.Tensor]) -> int:

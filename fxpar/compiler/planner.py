@@ -3,12 +3,13 @@
 For ``world_size`` ranks it enumerates every layout that uses them all: data-parallel copies D
 (dividing the batch), stages k (up to ``max_stages``), the leading s of them spatial on P tiles
 (a square grid) with ``s * P + (k - s) = world_size / D``, GEMS or not, micro-batches from
-``MICROBATCHES`` that split the batch, GPipe or 1F1B; a plan whose memory estimate is over
-``memory_per_rank`` is tried again with every stage recomputed. Each candidate is costed by
-``fxpar.compiler.planspace`` (stage cuts by networkx, seconds and bytes from the profile): first
-in closed form, then the fastest ``EXACT`` in the timed simulator. The result ranks the plans
-that fit and counts the rejected ones by reason; the chosen plan carries its stage cuts as
-``balance`` and is compiled once (on meta tensors) to make sure it is valid.
+``MICROBATCHES`` that split the batch, GPipe, 1F1B or zero bubble (ZB-H1); a plan whose
+memory estimate is over ``memory_per_rank`` is tried again with every stage recomputed. Each
+candidate is costed by ``fxpar.compiler.planspace`` (stage cuts by networkx, seconds and bytes
+from the profile): first in closed form, then the fastest ``EXACT`` in the timed simulator.
+The result ranks the plans that fit and counts the rejected ones by reason; the chosen plan
+carries its stage cuts as ``balance`` and is compiled once (on meta tensors) to make sure it
+is valid.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from fxpar.core.plan import Plan, PlanError
 from fxpar.core.units import nbytes
 
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+"""The schedules tried with more than one micro-batch (one micro-batch: GPipe, they agree)."""
 EXACT = 48
 """Candidates (fastest in closed form) that the timed simulator ranks."""
 DEFAULT_PROFILE = "h100-nvlink-ib"
@@ -175,7 +178,7 @@ def candidates(world_size: int, batch: int, spatial: int, max_stages: int
         k = lay["stages"]
         for gems in ((False, True) if k >= 2 else (False,)):
             for m in (MICROBATCHES if k >= 2 else (1,)):
-                for schedule in (("gpipe", "1f1b") if m > 1 else ("gpipe",)):
+                for schedule in (PIPELINE_SCHEDULES if m > 1 else ("gpipe",)):
                     plan = Plan(**lay, gems=gems, microbatches=m, schedule=schedule)
                     try:
                         plan.check_batch(batch)

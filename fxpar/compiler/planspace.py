@@ -13,12 +13,14 @@ tile). A candidate plan is then costed from prefix sums of these:
   bisection, then the cut with the least traffic among those within ``TOLERANCE`` of it, as a
   shortest path);
 - seconds: the same terms as ``costmodel.stage_seconds`` (F, B = 2x compute + the same halos
-  and statistics, oversubscription), pipeline messages on the link between the stages' first
+  and statistics, oversubscription; a backward the schedule splits, B and W half each, as
+  ``costmodel.timing``), pipeline messages on the link between the stages' first
   ranks, a ring allreduce over every rank holding a stage, the optimizer step;
 - step: the timed simulator on one layout's pipeline, a spatial stage's tiles acting as one
   rank (they run together), data-parallel copies as one (they run the same);
 - memory: the terms of ``memory.estimate`` (parameters, gradients and momentum; outputs kept per
-  micro-batch in flight; halos and received inputs).
+  micro-batch in flight, counted on the schedule as ``memory.schedule_in_flight`` does; halos
+  and received inputs).
 
 The estimate is checked against the full cost model on compiled programs in the tests.
 """
@@ -44,9 +46,10 @@ from fxpar.compiler.costmodel import (
     halo_messages,
     node_times,
 )
+from fxpar.compiler.memory import peak_bytes, schedule_in_flight
 from fxpar.compiler.passdriver import run_passes
 from fxpar.compiler.profile import Profile
-from fxpar.compiler.simulate import SimResult, simulate
+from fxpar.compiler.simulate import SimResult, simulate, split_keys
 from fxpar.core import meta
 from fxpar.core.geometry import Grid
 from fxpar.core.meta import NodeCost, TensorInfo
@@ -104,7 +107,8 @@ class ModelTable:
     """Cut positions worth trying: 0, the local minima of ``traffic``, n."""
     halos: dict[tuple[int, ...], Halos | None] = field(default_factory=dict)
     sums: dict[tuple[int, ...] | None, _Sums] = field(default_factory=dict)
-    schedules: dict[tuple[int, int, str, bool, int, bool], Schedule] = field(default_factory=dict)
+    schedules: dict[tuple[int, int, str, bool, int, bool, int], Schedule] = \
+        field(default_factory=dict)
     cuts: dict[tuple[int, int, tuple[int, ...] | None, int], tuple[int, ...] | None] = \
         field(default_factory=dict)
 
@@ -432,36 +436,19 @@ def evaluate(t: ModelTable, plan: Plan, exact: bool = True) -> Estimate | None:
         sim = _simulate(t, plan, st, sync, step, sent, link_s, held)
         makespan = sim.makespan  # the bubble over every rank: stage j has size[j] of them
         bubble = 1 - sum(size[j] * sim.busy[j] for j in range(k)) / (layout * makespan)
-    else:
+    else:  # the ramp: (p-1)(F+B) for GPipe and 1F1B, (p-1)(F+B-W) = (p-1)F for ZB-H1
         work = [m * sum(st.f[i] + st.b[i] for i in held[j]) for j in range(k)]
-        ramp = sum(st.f[j] + st.b[j] + 2 * link_s(j, sent[j]) for j in range(k)) - \
-            max(st.f[j] + st.b[j] for j in range(k))
+        lag = [st.f[j] + (0.0 if plan.schedule == "zero_bubble" else st.b[j]) for j in range(k)]
+        ramp = sum(lag[j] + 2 * link_s(j, sent[j]) for j in range(k)) - max(lag)
         if plan.gems:
             ramp /= 2
         busiest = max(range(k), key=lambda j: work[j])
         makespan = work[busiest] + ramp + max(sum(sync[i] for i in held[j]) + step[j]
                                               for j in range(k))
         bubble = 1 - sum(work) / (k * makespan)
-    memory = _memory(plan, st, params, sent, held, m)
+    memory = peak_bytes(st.act, params, sent, held, schedule_in_flight(_schedule(t, plan)),
+                        plan.recompute == "always")
     return Estimate(plan, makespan, bubble, memory, st)
-
-
-def _memory(plan: Plan, st: Stages, params: list[int], sent: list[int],
-            held: dict[int, list[int]], m: int) -> int:
-    k = plan.stages
-    out = 0
-    for j in range(k):
-        total = 0
-        for i in held[j]:
-            flight = min(m, k - i) if plan.schedule == "1f1b" else m
-            received = sent[i - 1] if i > 0 else 0
-            if plan.recompute == "always":
-                total += st.act[i] + flight * received
-            else:
-                total += flight * (st.act[i] + received)
-            total += 3 * params[i] + (sent[i] if i < k - 1 else 0)
-        out = max(out, total)
-    return out
 
 
 def _simulate(t: ModelTable, plan: Plan, st: Stages, sync: list[float], step: list[float],
@@ -470,18 +457,17 @@ def _simulate(t: ModelTable, plan: Plan, st: Stages, sync: list[float], step: li
     """One layout's pipeline in the timed simulator: stage j on rank j (its tiles and
     data-parallel copies run the same actions at the same time)."""
     k = plan.stages
-    summed = plan.gems or plan.data_parallel > 1 or plan.spatial
-    key = (k, plan.microbatches, plan.schedule, plan.gems, plan.gems_times, summed)
-    if key not in t.schedules:
-        t.schedules[key] = _reduced_schedule(*key)  # the order does not depend on seconds
+    schedule = _schedule(t, plan)
+    split = split_keys(schedule)
     recompute = plan.recompute == "always"
 
     def seconds(rank: int, a: Action) -> float:
         if a.kind == "F":
             return st.f[a.stage]
-        if a.kind == "B":
-            extra = st.f[a.stage] if recompute else 0.0
-            return st.b[a.stage] + extra
+        if a.kind in ("B", "W"):  # a split backward: half each, B recomputes the forward
+            extra = st.f[a.stage] if recompute and a.kind == "B" else 0.0
+            half = a.kind == "W" or (a.copy, a.stage, a.mb) in split
+            return st.b[a.stage] / (2 if half else 1) + extra
         if a.kind == "ALLREDUCE":
             return sum(sync[i] for i in held[rank])
         if a.kind == "STEP":
@@ -494,17 +480,27 @@ def _simulate(t: ModelTable, plan: Plan, st: Stages, sync: list[float], step: li
 
     groups = {j: tuple(sorted({j, k - 1 - j})) if plan.gems else (j,) for j in range(k)}
     timing = Timing(seconds, transfer, {}, _components(groups))
-    return simulate(t.schedules[key], chain(k), timing=timing)
+    return simulate(schedule, chain(k), timing=timing)
+
+
+def _schedule(t: ModelTable, plan: Plan) -> Schedule:
+    """The action lists of ``plan``'s pipeline, one rank per stage (cached in ``t``)."""
+    summed = plan.gems or plan.data_parallel > 1 or plan.spatial
+    key = (plan.stages, plan.microbatches, plan.schedule, plan.gems, plan.gems_times, summed,
+           plan.stages_per_rank)
+    if key not in t.schedules:
+        t.schedules[key] = _reduced_schedule(*key)  # the order does not depend on seconds
+    return t.schedules[key]
 
 
 def _reduced_schedule(stages: int, microbatches: int, schedule: str, gems: bool,
-                      gems_times: int, sync: bool) -> Schedule:
+                      gems_times: int, sync: bool, per_rank: int = 1) -> Schedule:
     """The action lists of a plan of ``stages`` ranks (no tiles, no data parallelism), with
     ALLREDUCE when the real plan sums gradients (``sync``)."""
     from fxpar.compiler.driver import rank_schedules
 
     plan = Plan(stages=stages, microbatches=microbatches, schedule=schedule,  # type: ignore
-                gems=gems, gems_times=gems_times)
+                gems=gems, gems_times=gems_times, stages_per_rank=per_rank)
     return rank_schedules(RankMap(plan), chain(stages), sync)
 
 
