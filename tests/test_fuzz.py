@@ -7,9 +7,10 @@ hypothesis draws a model (tests/fuzz/graphs.py: convs with random kernel / strid
 instance norm, ReLU, residual adds, channel concats across branches, earlier values and
 globally pooled branches, upsampling and interpolation, padding, channels-last blocks,
 adaptive pooling; odd and non-square images) and a plan of up to 4 ranks (spatial parts,
-slicing, spatial stages, stages, balance, micro-batches, schedule, GEMS and its rounds, data
-parallelism). A plan that ``fxpar.compile`` rejects for that model with a PlanError (image
-too small for the tiles, a spatial stage without tiled work) is a legitimate rejection,
+slicing, spatial stages, stages, balance, micro-batches, schedule (zero-bubble and interleaved
+included), GEMS and its rounds, data parallelism). A plan that ``fxpar.compile`` rejects for
+that model with a PlanError (image too small for the tiles, a spatial stage without tiled
+work) is a legitimate rejection,
 counted; any other error, and any difference from the one-process result, fails and shrinks
 to a small example. Every example runs in one persistent ``mpiexec`` pool
 (tests/fuzz/pool.py).
@@ -102,6 +103,7 @@ def test_random_cnns_and_plans_train_exactly_like_one_process(pool):
             stats[why[:90]] += 1
             reject()
         stats[f"checked on {Plan(**plan).world_size} rank(s)"] += 1
+        stats[f"checked with schedule {plan['schedule']}"] += 1
         note(f"spec = {json.dumps(spec)}\nplan = {json.dumps(plan)}")
         outcome = pool.check(spec, plan)
         seconds.append(outcome.seconds)
@@ -119,10 +121,12 @@ def test_random_cnns_and_plans_train_exactly_like_one_process(pool):
               f"started {pool.starts}x ({pool.start_seconds:.1f} s), "
               f"{time.monotonic() - start:.1f} s in all")
         for key, count in sorted(stats.items()):
-            if ": " in key or key.startswith("checked on"):
+            if ": " in key or key.startswith(("checked on", "checked with")):
                 print(f"  {count:4d}  {key}")
     # most drawn plans must suit their model, or the fuzzer tests little
     assert stats["checked"] > stats["rejected by compile"], stats
+    assert stats["checked with schedule zero_bubble"] and \
+        stats["checked with schedule interleaved_1f1b"], stats
 
 
 RELUS = {"seed": 0, "batch": 2, "channels": 3, "size": [23, 13], "classes": 2, "head": "gap",

@@ -274,7 +274,10 @@ def interleave(queues: dict[int, list[list[Action]]], links: Links, f_cost: floa
                        if (t := ready(r, i, q[pcs[r][i]])) is not None]
             if not options:
                 continue
-            t, i = min(options)
+            # a send never waits and its receiver may: on a tie it goes first (a send put
+            # behind another list's actions can leave a peer tile's receive waiting forever)
+            t, _, i = min((t, not qs[i][pcs[r][i]].kind.startswith("SEND"), i)
+                          for t, i in options)
             a = qs[i][pcs[r][i]]
             for m, j in group(r, i, a):
                 clock[m] = t

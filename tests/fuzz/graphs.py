@@ -415,8 +415,15 @@ def plans(draw: st.DrawFn, spec: Spec) -> dict[str, Any]:
     times = draw(st.sampled_from([t for t in (1, 2) if batch % (2 * dp * t) == 0])) if gems else 1
     per = batch // (dp * (2 * times if gems else 1))
     micro = draw(st.sampled_from(_divisors(per)[:4]))
+    schedules = ["gpipe", "1f1b", "zero_bubble"]
+    if stages % 2 == 0 and micro % (stages // 2) == 0 and (parts == 1 or
+                                                          spatial_stages == stages):
+        schedules.append("interleaved_1f1b")  # 2 stages per rank
+    schedule = draw(st.sampled_from(schedules))
     plan.update(data_parallel=dp, gems=gems, gems_times=times, microbatches=micro,
-                schedule=draw(st.sampled_from(["gpipe", "1f1b"])))
+                schedule=schedule)
+    if schedule == "interleaved_1f1b":
+        plan["stages_per_rank"] = 2
     if stages > 1 and draw(st.booleans()):
         cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=stages - 1,
                                     max_size=stages - 1, unique=True)))
