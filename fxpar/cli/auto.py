@@ -14,7 +14,8 @@ from fxpar.compiler.planner import DEFAULT_PROFILE, AutoPlan, plan_auto
 from fxpar.core.plan import Plan
 
 LAYOUT_FLAGS = {"stages": "--stages", "balance": "--balance", "microbatches": "--microbatches",
-                "schedule": "--schedule", "spatial_parts": "--spatial-parts",
+                "schedule": "--schedule", "stages_per_rank": "--stages-per-rank",
+                "spatial_parts": "--spatial-parts",
                 "grid": "--grid", "spatial_stages": "--spatial-stages", "gems": "--gems",
                 "times": "--times", "data_parallel": "--data-parallel",
                 "recompute": "--recompute"}

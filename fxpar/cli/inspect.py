@@ -74,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--balance", default=None, help="comma-separated node counts per stage")
     g.add_argument("--microbatches", "--parts", type=int, default=1)
     g.add_argument("--schedule", choices=SCHEDULES, default="gpipe")
+    g.add_argument("--stages-per-rank", type=int, default=1, metavar="V",
+                   help="stages each rank holds (--schedule interleaved_1f1b)")
     g.add_argument("--spatial-parts", "--num-spatial-parts", type=int, default=1)
     g.add_argument("--slice", "--slice-method", choices=SLICES, default="square",
                    help="default square; slab, pencil, cube split a volume's D, D x H, D x H x W")
@@ -123,7 +125,8 @@ def parser() -> argparse.ArgumentParser:
 
 INSPECT_DEFAULTS: dict[str, object] = {
     "stages": None, "balance": None, "microbatches": 1, "schedule": "gpipe", "spatial_parts": 1,
-    "grid": None, "spatial_stages": 1, "gems": False, "times": 1, "data_parallel": 1,
+    "stages_per_rank": 1, "grid": None, "spatial_stages": 1, "gems": False, "times": 1,
+    "data_parallel": 1,
     "recompute": "never"}
 """fxpar-inspect's defaults of the options the planner chooses."""
 PASS_NAMES = (TRACE, *(name for name, _ in PASSES), HALO)
@@ -301,6 +304,7 @@ def _main(args: argparse.Namespace) -> int:
         balance = tuple(int(b) for b in args.balance.split(",")) if args.balance else None
         plan = Plan(stages=args.stages or 1, balance=balance,
                     microbatches=args.microbatches, schedule=args.schedule,
+                    stages_per_rank=args.stages_per_rank,
                     spatial_parts=args.spatial_parts, slice=args.slice, grid=args.grid,
                     spatial_stages=args.spatial_stages, gems=args.gems,
                     gems_times=args.times, data_parallel=args.data_parallel,

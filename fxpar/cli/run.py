@@ -77,6 +77,7 @@ from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
 # program can tell which plan flags were given (they are an error there: its plan is fixed).
 PLAN_FLAGS = (("stages", "--stages/--split-size", 1), ("balance", "--balance", None),
               ("microbatches", "--microbatches/--parts", 1), ("schedule", "--schedule", "gpipe"),
+              ("stages_per_rank", "--stages-per-rank", 1),
               ("spatial_parts", "--spatial-parts/--num-spatial-parts", 1),
               ("slice", "--slice/--slice-method", "square"), ("grid", "--grid", None),
               ("spatial_stages", "--spatial-stages/--spatial-size", 1), ("gems", "--gems", False),
@@ -152,7 +153,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--balance", type=str, help="comma-separated node counts per stage "
                    "[--balance]")
     g.add_argument("--microbatches", "--parts", type=int, help="[--parts] default 1")
-    g.add_argument("--schedule", choices=SCHEDULES, help="default gpipe")
+    g.add_argument("--schedule", choices=SCHEDULES, help="default gpipe; zero_bubble splits "
+                   "backwards into input and weight gradients (ZB-H1); interleaved_1f1b needs "
+                   "--stages-per-rank")
+    g.add_argument("--stages-per-rank", type=int, metavar="V",
+                   help="stages each rank holds, for --schedule interleaved_1f1b (default 1)")
     g.add_argument("--spatial-parts", "--num-spatial-parts", type=int,
                    help="[--num-spatial-parts] default 1")
     g.add_argument("--slice", "--slice-method", choices=SLICES,
@@ -196,7 +201,8 @@ def plan_from_args(a: argparse.Namespace) -> Plan:
         raise PlanError(f"--balance {v['balance']}: give comma-separated node counts per "
                         f"stage, e.g. --balance 40,29") from None
     return Plan(stages=v["stages"], balance=balance, microbatches=v["microbatches"],
-                schedule=v["schedule"], spatial_parts=v["spatial_parts"], slice=v["slice"],
+                schedule=v["schedule"], stages_per_rank=v["stages_per_rank"],
+                spatial_parts=v["spatial_parts"], slice=v["slice"],
                 grid=v["grid"], spatial_stages=v["spatial_stages"], gems=v["gems"],
                 gems_times=v["times"], data_parallel=v["data_parallel"],
                 recompute=v["recompute"], memory_per_rank=v["memory_per_rank"],
