@@ -3,8 +3,8 @@ reports small errors, element by element, and names the tensor and the element.
 
 The mutation cases (tests/cases/harness_cases.py) run under one real ``mpiexec`` on 2 ranks: an
 exact check passes unmutated, and fails for one gradient element off by 1e-6 relative, one
-dropped halo row, and two swapped micro-batches; the last case lets the failure raise and end
-the launch, as in the real suites."""
+dropped halo row, two swapped micro-batches and a left-out weight-gradient pass; the last
+case lets the failure raise and end the launch, as in the real suites."""
 
 import re
 
@@ -15,7 +15,7 @@ from launch import TESTS, launch
 
 CASES = TESTS / "cases" / "harness_cases.py"
 NAMES = ["case_unmutated_checks_pass", "case_gradient_element_off_by_1e6_relative",
-         "case_dropped_halo_row", "case_swapped_microbatches",
+         "case_dropped_halo_row", "case_swapped_microbatches", "case_dropped_weight_pass",
          "case_gradient_error_fails_the_case"]  # the one that raises comes last: no relaunch
 IDS = [f"{CASES}::{n}" for n in NAMES]
 

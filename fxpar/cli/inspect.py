@@ -370,10 +370,14 @@ def bubble_formula(schedule: str, p: int, m: int, per_rank: int = 1) -> tuple[st
     value: GPipe and 1F1B (p-1)/(m+p-1); ZB-H1 (p-1)/(3m+p-1) once m >= p, and with fewer
     micro-batches than stages, where the pipeline never fills, the simulator's
     (2p-m-1)/(2m+2p-1); interleaved 1F1B with v = ``per_rank`` stages on each of P = p / v
-    ranks (P-1)/(vm+P-1)."""
+    ranks (P-1)/(vm+P-1); ZB-V has no closed form (its order is list-scheduled): ZB-H1's
+    on its P ranks is given for comparison."""
     if schedule == "interleaved_1f1b":
         ranks = p // per_rank
         return "(P-1)/(vm+P-1)", (ranks - 1) / (per_rank * m + ranks - 1)
+    if schedule == "zero_bubble_v":  # list-scheduled: no closed form; ZB-H1 on its P ranks
+        ranks = p // 2
+        return "(none; ZB-H1's on P ranks, (P-1)/(3m+P-1))", (ranks - 1) / (3 * m + ranks - 1)
     if schedule == "zero_bubble":
         if m >= p:
             return "(p-1)/(3m+p-1)", (p - 1) / (3 * m + p - 1)

@@ -25,7 +25,11 @@ from typing import Any, Literal
 
 import torch
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b")
+from fxpar.core.schedule import v_position
+
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b", "zero_bubble_v")
+VIRTUAL = ("interleaved_1f1b", "zero_bubble_v")
+"""Schedules that place several stages on each rank (``Plan.stages_per_rank``)."""
 SLICES = ("vertical", "horizontal", "square", "slab", "pencil", "cube")
 RECOMPUTE = ("never", "always", "except_last", "auto")
 HALO_FUSION = ("off", "auto", "all")
@@ -55,17 +59,20 @@ class Plan:
     microbatches: int = 1
     """Micro-batches each step's batch is split into for pipelining; 1 means no pipelining.
     [--parts]"""
-    schedule: Literal["gpipe", "1f1b", "zero_bubble", "interleaved_1f1b"] = "gpipe"
+    schedule: Literal["gpipe", "1f1b", "zero_bubble", "interleaved_1f1b",
+                      "zero_bubble_v"] = "gpipe"
     """Pipeline schedule: "gpipe" (all forwards, then all backwards), "1f1b",
     "zero_bubble" (ZB-H1: 1F1B whose backwards are split into input gradients, sent upstream
     at once, and weight gradients, run in the slots where 1F1B idles; about a third of 1F1B's
     bubble at the same peak memory; fxpar.core.schedule.zero_bubble), or "interleaved_1f1b"
     (virtual stages: each rank holds ``stages_per_rank`` stages, Megatron's order; the bubble
-    shrinks by that factor; fxpar.core.schedule.interleaved_1f1b)."""
+    shrinks by that factor; fxpar.core.schedule.interleaved_1f1b), or "zero_bubble_v" (ZB-V:
+    ``stages_per_rank=2`` in a V, rank r holding stages r and 2P-1-r, backwards split as in
+    zero_bubble; fxpar.core.schedule.zero_bubble_v)."""
     stages_per_rank: int = 1
-    """Stages each rank (group) holds, for ``schedule="interleaved_1f1b"``: the graph is cut
-    into ``stages`` stages over ``stages // stages_per_rank`` pipeline ranks, stage s on pipeline
-    rank s % (stages // stages_per_rank). 1: one stage per rank."""
+    """Stages each rank (group) holds, for ``schedule="interleaved_1f1b"`` or
+    ``"zero_bubble_v"``: the graph is cut into ``stages`` stages over
+    ``stages // stages_per_rank`` pipeline ranks (``Plan.position``). 1: one stage per rank."""
     spatial_parts: int = 1
     """Tiles each spatial stage's image is cut into, one rank each; 1 means no spatial
     parallelism. [--num-spatial-parts]"""
@@ -204,10 +211,11 @@ class Plan:
                 f"set spatial_stages <= stages (the spatial stages are the leading ones)")
         if ok:
             out += self._virtual_problems()
-        if ok and self.schedule == "zero_bubble" and self.recompute_segments > 1:
-            out.append("Plan.schedule='zero_bubble' splits each backward into input and weight "
-                       "gradients, which checkpoint segments would recompute twice: use "
-                       "recompute_segments=1 (stage recompute works), or schedule='1f1b'")
+        if ok and self.schedule in ("zero_bubble", "zero_bubble_v") and \
+                self.recompute_segments > 1:
+            out.append(f"Plan.schedule={self.schedule!r} splits each backward into input and "
+                       f"weight gradients, which checkpoint segments would recompute twice: use "
+                       f"recompute_segments=1 (stage recompute works), or schedule='1f1b'")
         if ok and self.gems_times > 1 and not self.gems:
             out.append("Plan.gems_times > 1 needs gems=True (it counts rounds of each GEMS copy)")
         if self.grid is not None:
@@ -235,15 +243,19 @@ class Plan:
             out.append("Plan.schedule='interleaved_1f1b' places several stages on each rank: "
                        "set stages_per_rank >= 2 (with stages a multiple of it), or use "
                        "schedule='1f1b'")
-        if v > 1 and self.schedule != "interleaved_1f1b":
-            out.append(f"Plan.stages_per_rank={v} needs schedule='interleaved_1f1b' (the "
-                       f"schedule that runs several stages per rank); {self.schedule!r} runs "
-                       f"one stage per rank: set stages_per_rank=1")
+        if self.schedule == "zero_bubble_v" and v != 2:
+            out.append(f"Plan.schedule='zero_bubble_v' places 2 stages on each rank in a V: set "
+                       f"stages_per_rank=2 (got {v}) and stages to twice the pipeline ranks")
+        if v > 1 and self.schedule not in VIRTUAL:
+            out.append(f"Plan.stages_per_rank={v} needs schedule='interleaved_1f1b' or "
+                       f"'zero_bubble_v' (the schedules that run several stages per rank); "
+                       f"{self.schedule!r} runs one stage per rank: set stages_per_rank=1")
         if v > 1 and self.stages % v:
             out.append(f"Plan.stages={self.stages} is not a multiple of stages_per_rank={v}: "
                        f"each rank holds stages_per_rank stages, so use stages = "
                        f"{max(v, self.stages // v * v)} or {(self.stages // v + 1) * v}")
-        elif v > 1 and self.microbatches % (self.stages // v):
+        elif v > 1 and self.schedule == "interleaved_1f1b" and \
+                self.microbatches % (self.stages // v):
             ranks = self.stages // v
             out.append(f"Plan.schedule='interleaved_1f1b' runs micro-batches in rounds of one "
                        f"per pipeline rank ({ranks}): make microbatches a multiple of {ranks} "
@@ -260,7 +272,10 @@ class Plan:
         return self.stages // self.stages_per_rank
 
     def position(self, stage: int) -> int:
-        """The pipeline rank (0 .. pipeline_ranks - 1) that holds ``stage``."""
+        """The pipeline rank (0 .. pipeline_ranks - 1) that holds ``stage``: round robin, or
+        a V for zero_bubble_v (fxpar.core.schedule.v_position)."""
+        if self.schedule == "zero_bubble_v":
+            return v_position(stage, self.pipeline_ranks)
         return stage % self.pipeline_ranks
 
     @property
@@ -390,9 +405,9 @@ class RankMap:
         holds (``stages_per_rank``)."""
         n, p = self.layout_size, self.plan
         j = rank % n
-        out = [Role(c, pos + k * p.pipeline_ranks, t) for c, (pos, t) in
+        out = [Role(c, s, t) for c, (pos, t) in
                ([(0, self.roles[j])] + ([(1, self.roles[n - 1 - j])] if p.gems else []))
-               for k in range(p.stages_per_rank)]
+               for s in range(p.stages) if p.position(s) == pos]
         return tuple(out)
 
     def describe(self) -> list[dict[str, object]]:

@@ -151,6 +151,58 @@ def interleaved_1f1b(stages: int, microbatches: int, copy: int = 0,
     return out
 
 
+def v_position(stage: int, ranks: int) -> int:
+    """The pipeline rank of ``stage`` in a V of ``2 * ranks`` stages: down, then back up
+    (rank r holds stages r and 2 * ranks - 1 - r; the last rank holds the middle two)."""
+    return stage if stage < ranks else 2 * ranks - 1 - stage
+
+
+def zero_bubble_v(stages: int, microbatches: int, copy: int = 0) -> StageOrder:
+    """ZB-V (Qi et al., 2023, section 4): 2P stages in a V over P ranks, backwards split into B
+    and W, keyed by pipeline rank. The order is built by list scheduling on unit costs
+    (F = B = W = 1, a chain of stages): each rank, whenever it is free, runs what can start
+    earliest, preferring B, then F, then W, the later stage first; a rank holds at most 2P
+    micro-batch chunks in flight (F done, W not), 1F1B's peak (P micro-batches of a whole
+    rank's layers). Each stage sees its micro-batches in order. With m >= 2P the bubble is a
+    fraction of ZB-H1's (fxpar-inspect prints both)."""
+    ranks = stages // 2
+    limit = 2 * ranks
+    count = {k: [0] * stages for k in "FBW"}
+    done: dict[tuple[str, int, int], float] = {}
+    clock, held = [0.0] * ranks, [0] * ranks
+    out: StageOrder = {r: [] for r in range(ranks)}
+    for _ in range(3 * stages * microbatches):
+        best: tuple[float, int, int, int, str, int] | None = None
+        for r in range(ranks):
+            for s in (r, stages - 1 - r):
+                for prio, kind in enumerate("BFW"):
+                    i = count[kind][s]
+                    if kind == "B" and i < count["F"][s]:
+                        dep: tuple[str, int, int] | None = \
+                            ("F", s, i) if s == stages - 1 else ("B", s + 1, i)
+                    elif kind == "F" and i < microbatches and held[r] < limit:
+                        dep = ("F", s - 1, i) if s else None
+                    elif kind == "W" and i < count["B"][s]:
+                        dep = None
+                    else:
+                        continue
+                    if dep is not None and dep not in done:
+                        continue
+                    start = max(clock[r], done[dep] if dep is not None else 0.0)
+                    option = (start, r, prio, -s, kind, i)
+                    if best is None or option < best:
+                        best = option
+        if best is None:
+            raise RuntimeError(f"zero_bubble_v: no order for {stages} stages and "
+                               f"{microbatches} micro-batches (a bug: please report it)")
+        start, r, _, neg, kind, i = best
+        clock[r] = done[(kind, -neg, i)] = start + 1.0
+        count[kind][-neg] += 1
+        held[r] += 1 if kind == "F" else -1 if kind == "W" else 0
+        out[r].append(Action(kind, -neg, i, copy))
+    return out
+
+
 GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zero_bubble": zero_bubble}
 """One stage per rank: ``generator(stages, microbatches, copy)``, keyed by stage."""
 
@@ -191,6 +243,8 @@ def pipeline(stages: int, microbatches: int, name: str = "gpipe",
     (``interleaved_1f1b``)."""
     if name == "interleaved_1f1b":
         order = interleaved_1f1b(stages, microbatches, copy, per_rank)
+    elif name == "zero_bubble_v":
+        order = zero_bubble_v(stages, microbatches, copy)
     else:
         order = GENERATORS[name](stages, microbatches, copy)
     links = links if links is not None else chain(stages)

@@ -7,7 +7,8 @@ element-wise tolerances of tests/equivalence.py) and breaks the compiled run in 
 - one row of one halo exchange zeroed on the way (the first halo piece tile 0 sends in a
   forward pass);
 - micro-batches 0 and 1 swapped on the input side (micro-batch 0 computes on micro-batch 1's
-  images, and the other way round), the targets left in place.
+  images, and the other way round), the targets left in place;
+- under the zero-bubble schedule, one weight-gradient pass (W) left out.
 
 The mutated checks run with :func:`equivalence.collect_failures`, so every rank reaches the end
 of the check (a rank that raised would leave its peer in a collective) and every launch runs all
@@ -49,6 +50,7 @@ def _net() -> nn.Module:
 SHAPE = (4, 3, 12, 12)
 PIPELINE = Case(_net, SHAPE, fxpar.Plan(stages=2, microbatches=2, schedule="1f1b"))
 SPATIAL = Case(_net, SHAPE, fxpar.Plan(spatial_parts=2, slice="horizontal"))
+ZERO_BUBBLE = Case(_net, SHAPE, fxpar.Plan(stages=2, microbatches=2, schedule="zero_bubble"))
 
 
 # -- mutations ----------------------------------------------------------------------------------
@@ -216,6 +218,34 @@ def case_swapped_microbatches() -> None:
     first_stage = _names(everyone[0][0])
     assert "step 0 grad of 0.weight" in first_stage, first_stage
     assert "buffer 1.running_mean" in first_stage, first_stage  # updated in the other order
+
+
+def case_dropped_weight_pass() -> None:
+    """Zero bubble: the last stage skips its weight-gradient pass (W) of micro-batch 1 in the
+    first step. The loss and the input gradients are untouched; the weights of that stage
+    miss half their gradient."""
+    record: dict[str, Any] = {"fired": 0}
+    original = loop.Runtime._weights
+
+    def weights(self: loop.Runtime, a: Any, st: Any) -> None:
+        if not record["fired"] and a.stage == 1 and a.mb == 1:
+            record["fired"] = 1
+            st.weights.pop((a.copy, a.stage, a.mb))
+            return
+        original(self, a, st)
+
+    with collect_failures() as failures, _patched(loop.Runtime, "_weights", weights):
+        check(ZERO_BUBBLE)
+    everyone = _everyone(failures, record)
+    assert [r["fired"] for _, r in everyone] == [0, 1], everyone
+    first = [n for n in _names(everyone[0][0]) if n.startswith("step 0 ")]
+    assert not first, first  # stage 0's gradients came whole (its weights differ from step 1)
+    got = everyone[1][0]
+    assert got, "the harness did not notice a weight-gradient pass left out"
+    for message in got:
+        _well_formed(message)
+    names = _names(got)
+    assert "step 0 loss" not in names and names[0].startswith("step 0 grad of "), names
 
 
 def case_gradient_error_fails_the_case() -> None:

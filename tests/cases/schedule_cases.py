@@ -120,3 +120,30 @@ def case_i1f1b_dp2():
     check(Case(_resnet18, (8, 3, 32, 32),
                P(stages=4, stages_per_rank=2, microbatches=2, data_parallel=2,
                  schedule="interleaved_1f1b")))
+
+
+def case_zbv_resnet18_4stages_on_2_ranks():
+    rp = check(Case(_resnet18, (8, 3, 32, 32),
+                    P(stages=4, stages_per_rank=2, microbatches=4, schedule="zero_bubble_v")))
+    _weights_split(rp)
+    if rp is not None:  # a V: rank r holds stages r and 3 - r
+        assert sorted(s for _, s in rp.stages) == sorted({rp.rank, 3 - rp.rank})
+
+
+def case_zbv_unet_skips_6stages_m3():
+    _weights_split(check(Case(_unet, (6, 3, 16, 16),
+                              P(stages=6, stages_per_rank=2, microbatches=3,
+                                schedule="zero_bubble_v"), segmentation=True)))
+
+
+def case_zbv_all_spatial_sp2_gems():
+    _weights_split(check(Case(_resnet18, (8, 3, 64, 64),
+                              P(stages=4, stages_per_rank=2, spatial_parts=2, spatial_stages=4,
+                                slice="vertical", microbatches=2, gems=True,
+                                schedule="zero_bubble_v"))))
+
+
+def case_zbv_dp2():
+    _weights_split(check(Case(_amoebanet, (8, 3, 32, 32),
+                              P(stages=4, stages_per_rank=2, microbatches=2, data_parallel=2,
+                                schedule="zero_bubble_v"))))

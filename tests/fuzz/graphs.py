@@ -419,10 +419,12 @@ def plans(draw: st.DrawFn, spec: Spec) -> dict[str, Any]:
     if stages % 2 == 0 and micro % (stages // 2) == 0 and (parts == 1 or
                                                           spatial_stages == stages):
         schedules.append("interleaved_1f1b")  # 2 stages per rank
+    if stages % 2 == 0 and (parts == 1 or spatial_stages == stages):
+        schedules.append("zero_bubble_v")  # 2 stages per rank, in a V
     schedule = draw(st.sampled_from(schedules))
     plan.update(data_parallel=dp, gems=gems, gems_times=times, microbatches=micro,
                 schedule=schedule)
-    if schedule == "interleaved_1f1b":
+    if schedule in ("interleaved_1f1b", "zero_bubble_v"):
         plan["stages_per_rank"] = 2
     if stages > 1 and draw(st.booleans()):
         cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=stages - 1,
