@@ -49,6 +49,7 @@ def test_formula(rep):
     assert rep.bubble_formula(4, 4, "zero_bubble") == pytest.approx(3 / 15)
     assert rep.bubble_formula(2, 4, "interleaved_1f1b", 2) == pytest.approx(1 / 9)
     assert rep.bubble_formula(4, 4, "interleaved_1f1b", 2) == pytest.approx(3 / 11)
+    assert rep.bubble_formula(2, 4, "zero_bubble_v", 2) is None  # the simulator's column only
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -166,12 +167,17 @@ def test_bubble_rows_and_plot(rep):
                                 {"bubble": 0.37, "imbalance": 1.2, "img_per_s": 8.0,
                                  "sim": 1 / 3}]},
                   "zero_bubble": {4: [{"bubble": 0.1, "imbalance": 1.0, "img_per_s": 9.0,
-                                       "sim": None}]}}}
-    rows = rep.bubble_rows(bubble, {})
+                                       "sim": None}]},
+                  "zero_bubble_v": {4: [{"bubble": 0.1, "imbalance": 1.0, "img_per_s": 9.0,
+                                         "sim": 0.05}]}}}
+    rows = rep.bubble_rows(bubble, {"zero_bubble_v": 2})
     assert rows[0] == ["2", "`gpipe`", "2", "(p-1)/(m+p-1) = 33.3%", "33.3%",
                        "36.0% (35.0-37.0%)", "1.15", "8.5", "2"]
     assert rows[1][3:5] == ["(p-1)/(3m+p-1) = 7.7%", "-"]
-    plot = rep.bubble_plot(2, bubble[2], {})
+    assert rows[2][3:5] == ["-", "5.0%"]
+    plot = rep.bubble_plot(2, bubble[2], {"zero_bubble_v": 2})
+    assert "fxpar zero_bubble_v, measured" in plot["series"]
+    assert not any("None" in k for k in plot["series"])
     assert plot["series"]["fxpar gpipe, measured"] == [[2, pytest.approx(36.0)]]
     assert plot["series"]["formula (p-1)/(3m+p-1)"][1] == [4, pytest.approx(100 / 13)]
 
@@ -226,7 +232,7 @@ def test_section_contract_failures_and_disturbed_launches(bp, monkeypatch):
     assert "4 ranks round 1 torch:1f1b (0.90 cores)" in sec["notes"]
     assert "failed** and is left out: m = 4: RuntimeError: Pair" in sec["notes"]
     assert "gloo has no connection from a rank to itself" in sec["notes"]  # the known hint
-    assert "same parameters on every rank" in sec["notes"]
+    assert "same parameters on every rank wherever" in sec["notes"]
     assert sec["tables"][-1]["rows"][0][5] == "20.0% (20.0-20.0%)"  # 1 - 0.8
     assert [p["file"] for p in sec["plots"]] == ["pipeline_throughput.png",
                                                  "pipeline_bubble.png"]

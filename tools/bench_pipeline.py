@@ -1,5 +1,5 @@
 """Benchmark (by hand, not in CI): fxpar's pipeline schedules (gpipe, 1f1b, zero_bubble,
-interleaved_1f1b) vs torch.distributed.pipelining's (ScheduleGPipe, Schedule1F1B,
+interleaved_1f1b, zero_bubble_v) vs torch.distributed.pipelining's (ScheduleGPipe, Schedule1F1B,
 ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble) on torchvision
 resnet18, batch 32 at 128x128, CPU, one thread per rank, at 2 ranks and at 4 ranks (more ranks
 than this VM's 2 cores: oversubscribed, said so in the output); and fxpar's measured pipeline
@@ -195,7 +195,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         for key in fx:
             s = SYSTEMS[key]
             for m in rotate([m for m in cfg.bubble_ms if m != m0], r):
-                if key in failed[p0] or (s.per_rank > 1 and m % p0):
+                if key in failed[p0] or (s.schedule == "interleaved_1f1b" and m % p0):
                     continue  # interleaving runs rounds of p micro-batches
                 rec = _try(key, p0, m, cfg, src, failed[p0])
                 if rec is None:
@@ -278,7 +278,8 @@ def method(cfg: Config, max_foreign: float, rev: str) -> str:
         f"oversubscribed). Stage cuts, the same in fxpar (`Plan.balance` counted in compute "
         f"nodes up to the module) and torch (`split_spec`, `SplitPoint.BEGINNING`): {cuts}. A "
         f"schedule with 2 stages per rank cuts 2 x ranks stages; stage s sits on rank "
-        f"s % ranks (torch's ZBV: rank r holds r and 2 x ranks - 1 - r). torch's "
+        f"s % ranks, or in a V for ZB-V (fxpar's `zero_bubble_v`, torch's ZBV: rank r holds r and "
+        f"2 x ranks - 1 - r). torch's "
         f"`zero_bubble` counterpart is `ScheduleInterleavedZeroBubble` over one stage per rank "
         f"(ZB1P with one stage per rank is ZB-H1). Transports: fxpar MPI (mpi4py, shared "
         f"memory); torch gloo (TCP over loopback). {cfg.rounds} round(s), each launching every "

@@ -25,10 +25,13 @@ Rounds = Sequence[Mapping[str, Mapping[str, Any]]]
 Bubble = Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]]
 
 
-def bubble_formula(p: int, m: int, schedule: str = "1f1b", per_rank: int = 1) -> float:
+def bubble_formula(p: int, m: int, schedule: str = "1f1b", per_rank: int = 1) -> float | None:
     """The textbook bubble over p ranks, m micro-batches, equal stages, free communication:
     GPipe/1F1B (p-1)/(m+p-1); ZB-H1 with F = B = W (p-1)/(3m+p-1); interleaved 1F1B with v
-    stages per rank (p-1)/(vm+p-1)."""
+    stages per rank (p-1)/(vm+p-1); None for a schedule without one (ZB-V: its order is list
+    scheduled, the simulator column gives its bubble)."""
+    if schedule not in FORMULAS:
+        return None
     if schedule == "zero_bubble":
         return (p - 1) / (3 * m + p - 1)
     if schedule == "interleaved_1f1b":
@@ -162,9 +165,9 @@ def bubble_rows(bubble: Mapping[int, Bubble], per_rank: Mapping[str, int]) -> li
             for m, recs in sorted(per_m.items()):
                 b = spread([100 * r["bubble"] for r in recs])
                 sim = [r["sim"] for r in recs if r.get("sim") is not None]
+                f = bubble_formula(p, m, sched, v)
                 rows.append([str(p), f"`{sched}`", str(m),
-                             f"{FORMULAS.get(sched, '?')} = "
-                             f"{100 * bubble_formula(p, m, sched, v):.1f}%",
+                             f"{FORMULAS[sched]} = {100 * f:.1f}%" if f is not None else "-",
                              f"{100 * sim[0]:.1f}%" if sim else "-", fmt_spread(b, "%", 1),
                              f"{statistics.median(r['imbalance'] for r in recs):.2f}",
                              f"{statistics.median(r['img_per_s'] for r in recs):.1f}",
@@ -178,9 +181,9 @@ def bubble_plot(p: int, bubble: Bubble, per_rank: Mapping[str, int]) -> dict[str
     series: dict[str, list[list[float]]] = {}
     for sched in bubble:
         v = per_rank.get(sched, 1)
-        label = f"formula {FORMULAS.get(sched, sched)}" + (f", v = {v}" if v > 1 else "")
-        if label not in series:
-            series[label] = [[m, 100 * bubble_formula(p, m, sched, v)] for m in ms]
+        label = f"formula {FORMULAS.get(sched)}" + (f", v = {v}" if v > 1 else "")
+        if sched in FORMULAS and label not in series:
+            series[label] = [[m, 100 * (bubble_formula(p, m, sched, v) or 0.0)] for m in ms]
     for sched, per_m in bubble.items():
         series[f"fxpar {sched}, measured"] = [
             [m, 100 * statistics.median(r["bubble"] for r in recs)]
@@ -192,7 +195,7 @@ def bubble_plot(p: int, bubble: Bubble, per_rank: Mapping[str, int]) -> dict[str
 
 
 SHORT = {"gpipe": "GPipe", "1f1b": "1F1B", "zero_bubble": "ZB", "interleaved_1f1b": "I-1F1B",
-         "interleaved_zb": "I-ZB", "zbv": "ZBV"}
+         "interleaved_zb": "I-ZB", "zbv": "ZBV", "zero_bubble_v": "ZBV"}
 
 
 def short(key: str) -> str:
@@ -281,15 +284,16 @@ def notes(m: int, results: Mapping[int, Mapping[str, Any]], bubble: Mapping[int,
             b1, bz = (100 * statistics.median(r["bubble"] for r in zb[k][m])
                       for k in ("1f1b", "zero_bubble"))
             lines.append(f"Measured bubble: `1f1b` {b1:.0f}%, `zero_bubble` {bz:.0f}% "
-                         f"(formulas {100 * bubble_formula(p, m):.0f}% and "
-                         f"{100 * bubble_formula(p, m, 'zero_bubble'):.0f}%).")
+                         f"(formulas {100 * (p - 1) / (m + p - 1):.0f}% and "
+                         f"{100 * (p - 1) / (3 * m + p - 1):.0f}%).")
         out.append(f"- **{p} ranks, m = {m}**: " + " ".join(lines))
         out += [f"  - **{SYSTEMS[k].label} failed** and is left out: {why}{hint(why)}"
                 for k, why in failed.get(p, {}).items()]
     out.append("- **Same cut**: " + ("parameters per rank differ between fxpar and torch: "
                                      + "; ".join(cut_mismatch) + "." if cut_mismatch else
                                      "fxpar and torch hold the same parameters on every rank "
-                                     "in every configuration."))
+                                     "wherever both ran the same stages per rank and "
+                                     "placement."))
     over = [p for p in results if cores is not None and p > cores]
     if over:
         out.append(f"- **Oversubscribed**: {', '.join(map(str, over))} ranks on {cores} cores. "

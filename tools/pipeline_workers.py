@@ -61,6 +61,7 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("fxpar:1f1b", "fxpar", "1f1b"),
     System("fxpar:zero_bubble", "fxpar", "zero_bubble"),
     System("fxpar:interleaved_1f1b", "fxpar", "interleaved_1f1b", per_rank=2),
+    System("fxpar:zero_bubble_v", "fxpar", "zero_bubble_v", per_rank=2, placement="v"),
     System("torch:gpipe", "torch", "ScheduleGPipe", twin="gpipe"),
     System("torch:1f1b", "torch", "Schedule1F1B", twin="1f1b"),
     # ZB1P with one stage per rank is ZB-H1, fxpar's zero_bubble
@@ -68,7 +69,8 @@ SYSTEMS: dict[str, System] = {s.key: s for s in (
     System("torch:interleaved_1f1b", "torch", "ScheduleInterleaved1F1B", per_rank=2,
            twin="interleaved_1f1b"),
     System("torch:interleaved_zb", "torch", "ScheduleInterleavedZeroBubble", per_rank=2),
-    System("torch:zbv", "torch", "ScheduleZBVZeroBubble", per_rank=2, placement="v"),
+    System("torch:zbv", "torch", "ScheduleZBVZeroBubble", per_rank=2, twin="zero_bubble_v",
+           placement="v"),
     System("single", "single", "none"),
 )}
 
