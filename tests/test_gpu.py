@@ -19,6 +19,9 @@ CASES = [f"{TESTS / 'cases' / f}::{n}" for f, n in (
     ("spatial_cases.py", "case_resnet18_p4_square"),
     ("spatial_cases.py", "case_sp_lp_resnet18"),
     ("comm_cases.py", "case_device_paths"),
+    ("schedule_cases.py", "case_zb_sp2_pp2_resnet18"),
+    ("schedule_cases.py", "case_i1f1b_resnet18_4stages_on_2_ranks"),
+    ("schedule_cases.py", "case_zbv_all_spatial_sp2_gems"),
 )]
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi,

@@ -32,6 +32,7 @@ import os
 import platform
 import re
 import resource
+import shutil
 import signal
 import socket
 import statistics
@@ -44,7 +45,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-MPIEXEC = str(Path(sys.executable).parent / "mpiexec")  # the mpich wheel's, in the venv
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec") if \
+    (Path(sys.executable).parent / "mpiexec").exists() else \
+    (shutil.which("mpiexec") or "mpiexec")  # the mpich wheel's, in the venv, else PATH's
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -165,6 +168,8 @@ def emit(record: dict[str, Any]) -> None:
 
 def rotate(items: Sequence[Any], round_: int) -> list[Any]:
     """``items`` rotated by ``round_``: each round measures the systems in another order."""
+    if not items:
+        return []
     k = round_ % len(items)
     return list(items[k:]) + list(items[:k])
 
