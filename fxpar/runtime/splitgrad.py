@@ -114,30 +114,17 @@ class WeightWork:
                 continue
             pins = [node.register_prehook(_pin(g.grads[node]))
                     for node in g.nodes if len(g.nodes) > 1 and node in g.grads]
-            try:
-                got = torch.autograd.grad(edges, [GradientEdge(grad_node(p), 0) for p in g.params],
-                                          outs, retain_graph=True, allow_unused=True)
+            try:  # into .grad by autograd itself: gradient hooks (a DP bucket's sum) fire
+                torch.autograd.backward(edges, outs, retain_graph=True, inputs=g.params)
             finally:
                 for h in pins:
                     h.remove()
-            _accumulate(g.params, got)
         self.groups = []
 
 
 def _pin(kept: Grads) -> Callable[[Grads], Grads]:
     """A pre-hook that makes a node see ``kept`` whatever else reaches it."""
     return lambda _incoming: kept
-
-
-def _accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    with torch.no_grad():
-        for p, gr in zip(params, grads, strict=True):
-            if gr is None:
-                continue
-            if p.grad is None:
-                p.grad = gr.detach().clone() if gr.requires_grad else gr
-            else:
-                p.grad += gr
 
 
 def backward_inputs(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
@@ -180,14 +167,12 @@ def backward_inputs(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
         for node in g.nodes:
             hooks.append(node.register_prehook(
                 lambda gs, node=node, g=g: g.grads.__setitem__(node, tuple(gs)) or None))
-    asked = [inputs[i] for i in wanted] + orphans
-    try:
-        got = torch.autograd.grad(list(outputs), asked, list(grads), retain_graph=True,
-                                  allow_unused=True)
+    try:  # the inputs' gradients, and the orphans' into their .grad
+        torch.autograd.backward(list(outputs), list(grads), retain_graph=True,
+                                inputs=[inputs[i] for i in wanted] + orphans)
     finally:
         for h in hooks:
             h.remove()
-    for i, gr in zip(wanted, got[:len(wanted)], strict=True):
-        result[i] = gr
-    _accumulate(orphans, got[len(wanted):])
+    for i in wanted:
+        result[i] = inputs[i].grad
     return result, work
