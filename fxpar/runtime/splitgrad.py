@@ -7,7 +7,7 @@ autograd graph the stage's forward built; nothing is computed twice:
 - **B** (:func:`backward_inputs`) finds, for every parameter, its *boundary nodes*: the first
   nodes of the graph, walking from the parameter towards the outputs, that also lie on a path
   from a stage input (a convolution's backward node, for its weight). A hook on each boundary
-  node keeps the gradient that reaches it while ``torch.autograd.grad`` computes the input
+  node keeps the gradient that reaches it while ``torch.autograd.backward`` computes the input
   gradients (the graph is retained).
 - **W** (:meth:`WeightWork.run`) starts the engine again at each boundary node
   (``torch.autograd.graph.GradientEdge``) with the kept gradient and asks only for its
@@ -102,7 +102,8 @@ class WeightWork:
     groups: list[_Group]
 
     def run(self) -> None:
-        """Compute the weight gradients and add them to ``param.grad`` (then drop the graph)."""
+        """Compute the weight gradients into ``param.grad`` (autograd accumulates them, so
+        gradient hooks fire), then drop the graph."""
         for g in self.groups:
             edges, outs = [], []
             for node in g.nodes:
