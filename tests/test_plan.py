@@ -17,7 +17,8 @@ def test_defaults_are_the_trivial_plan():
     (dict(stages=0), "Plan.stages must be an integer >= 1, got 0"),
     (dict(microbatches=2.5), "Plan.microbatches must be an integer >= 1, got 2.5"),
     (dict(spatial_parts=True), "Plan.spatial_parts must be an integer >= 1, got True"),
-    (dict(schedule="zb"), "Plan.schedule must be one of ('gpipe', '1f1b'), got 'zb'"),
+    (dict(schedule="zb"), "Plan.schedule must be one of ('gpipe', '1f1b', 'zero_bubble', "
+                          "'interleaved_1f1b', 'zero_bubble_v'), got 'zb'"),
     (dict(slice="diagonal"), "Plan.slice must be one of ('vertical', 'horizontal', 'square', "
                              "'slab', 'pencil', 'cube')"),
     (dict(spatial_parts=4, spatial_stages=3, stages=2),
