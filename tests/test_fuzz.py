@@ -125,8 +125,9 @@ def test_random_cnns_and_plans_train_exactly_like_one_process(pool):
                 print(f"  {count:4d}  {key}")
     # most drawn plans must suit their model, or the fuzzer tests little
     assert stats["checked"] > stats["rejected by compile"], stats
-    assert stats["checked with schedule zero_bubble"] and \
-        stats["checked with schedule interleaved_1f1b"], stats
+    assert stats["checked with schedule zero_bubble"] and (
+        stats["checked with schedule interleaved_1f1b"] or
+        stats["checked with schedule zero_bubble_v"]), stats
 
 
 RELUS = {"seed": 0, "batch": 2, "channels": 3, "size": [23, 13], "classes": 2, "head": "gap",
@@ -159,6 +160,13 @@ FOUND: dict[str, tuple[Spec, dict[str, Any]]] = {
                                              "nodes": [{**CONV, "out": 2}]},
                                             {"stages": 2, "spatial_parts": 3, "gems": True,
                                              "microbatches": 3, "schedule": "1f1b"}),
+    # the same under zero bubble: the GEMS merge put rank 3's send of copy 1 behind its own
+    # copy's list, and the tile receiving it waited forever (deadlock at compile time)
+    "a send starved behind the other copy's list": ({**SMALL, "batch": 6, "size": [12, 12],
+                                                     "nodes": [{**CONV, "out": 2}]},
+                                                    {"stages": 2, "spatial_parts": 3,
+                                                     "gems": True, "microbatches": 3,
+                                                     "schedule": "zero_bubble"}),
 }
 """Bugs the fuzzer found, shrunk to the smallest example (each fixed in fxpar; kept so they
 stay fixed)."""
