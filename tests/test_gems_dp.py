@@ -70,22 +70,27 @@ def _merged(plan: Plan) -> tuple[dict, dict]:
     return rank_schedules(rm, chain(plan.stages)), rm.tile_groups()
 
 
-def test_gems_with_tiles_merges_copies_in_one_order_per_tile_group(monkeypatch):
+def test_gems_with_tiles_merges_copies_in_one_order_per_tile_group():
     # 3 tiles, 2 stages, GEMS: ranks 1 and 2 are tiles of both copies' spatial stage. Merged
     # rank by rank, rank 1 ran copy 1's forward while rank 2 ran copy 0's backward, each
     # waiting for the other inside a collective (found by tests/test_fuzz.py)
-    from fxpar.core.plan import RankMap
 
     plan = Plan(stages=2, spatial_parts=3, gems=True, microbatches=3, schedule="1f1b")
     links = {0: {1}, 1: set()}
     merged, groups = _merged(plan)
     assert groups[(1, 0, 0)] == (0, 1, 2) and groups[(1, 1, 0)] == (3, 2, 1)
     simulate(merged, links, together=groups)
-    with monkeypatch.context() as m:  # the merge blind to tile groups, as before the fix
-        m.setattr(RankMap, "tile_groups", lambda self: {})
-        blind, _ = _merged(plan)
-    with pytest.raises(ScheduleError, match="deadlock"):
-        simulate(blind, links, together=groups)
+    # the property the merge keeps by construction: two ranks meet the collectives (tile-group
+    # F and B) they share in one order. (A merge blind to tile groups deadlocked here until the
+    # merge ran sends first on a tie; with that rule it no longer crosses in these plans
+    # either, so it is no longer shown failing.)
+    def shared(r: int, other: int) -> list:
+        return [a for a in merged[r] if a.kind in ("F", "B") and other in
+                groups.get((r, a.copy, a.stage), ())]
+    for r in merged:
+        for other in merged:
+            if r < other:
+                assert shared(r, other) == shared(other, r), (r, other)
     for stages in (2, 3):
         for parts, slice_ in ((2, "vertical"), (3, "vertical"), (4, "square")):
             for m, name in ((1, "gpipe"), (3, "1f1b"), (4, "gpipe")):
