@@ -5,12 +5,13 @@ import pytest
 from launch import cases_in, check, launch
 
 CASES, NAMES = cases_in("schedule_cases.py")
-pytestmark = pytest.mark.mpi
+# the launch runs 19 cases (about 9 min alone on 2 cores): past pytest-timeout's 600 s default
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=6, timeout=900)
+    return launch(CASES, n=6, timeout=1700)
 
 
 @pytest.mark.parametrize("case", CASES, ids=NAMES)
