@@ -35,7 +35,7 @@ from fxpar.compiler.passdriver import HALO, TRACE, dump
 from fxpar.compiler.planner import DEFAULT_PROFILE, plan_auto
 from fxpar.compiler.profile import Profile, ProfileError
 from fxpar.compiler.report import halo_table, node_table, rank_table, stage_table, totals_line
-from fxpar.compiler.simulate import simulate, split_keys, stage_costs
+from fxpar.compiler.simulate import simulate, stage_costs
 from fxpar.core.plan import (
     HALO_FUSION,
     PRECISION_DTYPES,
@@ -45,7 +45,7 @@ from fxpar.core.plan import (
     Plan,
     PlanError,
 )
-from fxpar.core.schedule import format_grid
+from fxpar.core.schedule import format_grid, split_keys
 from fxpar.frontend.trace import TraceError, trace
 from fxpar.io.metrics import load_metrics
 from fxpar.io.program import Program
@@ -200,7 +200,7 @@ def _print_views(args: argparse.Namespace, program: Program, dumps: dict[str, st
     elif args.timeline is not None:
         costs = {s: f / 1e9 for s, f in stage_costs(program).items()}
         unit = not any(costs.values())
-        split = split_keys(program.schedule)
+        split = split_keys(program.schedule.values())
         draw.draw_timeline(
             draw.timeline_bars(program, None if unit else costs), args.timeline,
             f"{args.model}: {plan.schedule}, {plan.stages} stage(s), {plan.microbatches} "
@@ -222,7 +222,7 @@ def _predict(args: argparse.Namespace, program: Program) -> None:
                    together=program.rank_map.tile_groups(), timing=tm)
     plan = program.plan
     print(f"predicted step on {profile.name!r}: {sim.makespan:.4f} s, bubble {sim.bubble:.1%}")
-    split = split_keys(program.schedule)
+    split = split_keys(program.schedule.values())
     for s, st in tm.stages.items():
         back = f"B {st.b / 2 * 1e3:.3f} ms, W {st.b / 2 * 1e3:.3f} ms" if split else \
             f"B {st.b * 1e3:.3f} ms"
@@ -354,7 +354,7 @@ def _print_report(gm: fx.GraphModule, program: Program | None) -> None:
                        together=program.rank_map.tile_groups())
         formula, value = bubble_formula(plan.schedule, plan.stages, plan.microbatches,
                                         plan.stages_per_rank)
-        print(f"simulated bubble ({_tick_costs(split_keys(program.schedule))} ticks): "
+        print(f"simulated bubble ({_tick_costs(split_keys(program.schedule.values()))} ticks): "
               f"{sim.bubble:.1%}; one copy's formula {formula} = {value:.1%}")
 
 

@@ -35,7 +35,7 @@ from fxpar.core import meta
 from fxpar.core.geometry import Grid, Rect
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.roles import stage_groups
-from fxpar.core.schedule import Action
+from fxpar.core.schedule import Action, split_keys
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, Window, classify
 from fxpar.passes.spatial_region import SpatialLayout, image_grid, window_need
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
@@ -283,7 +283,7 @@ def timing(program: Program, profile: Profile) -> Timing:
         for r in ranks:
             held.setdefault(r, set()).add(s)
 
-    split = any(a.kind == "W" for acts in program.schedule.values() for a in acts)
+    split = bool(split_keys(program.schedule.values()))
 
     def seconds(rank: int, a: Action) -> float:
         if a.kind == "F":

@@ -30,12 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx, nn
 
-from fxpar.compiler.simulate import split_keys
 from fxpar.core import meta
 from fxpar.core.geometry import Rect
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.roles import chunks_per_copy
-from fxpar.core.schedule import Schedule
+from fxpar.core.schedule import Schedule, split_keys
 from fxpar.core.stages import Transfer
 from fxpar.core.units import nbytes
 from fxpar.passes.spatial_region import SpatialLayout
@@ -86,7 +85,7 @@ def schedule_in_flight(schedule: Schedule) -> dict[int, int]:
     on any rank: over each rank's list, the forwards done minus the backwards that freed their
     activations (a W, where the schedule splits the backward: its B frees nothing, W still
     needs them; else the B). Every schedule is covered, whatever its order."""
-    split = split_keys(schedule)
+    split = split_keys(schedule.values())
     out: dict[int, int] = {}
     for acts in schedule.values():
         held: Counter[tuple[int, int]] = Counter()

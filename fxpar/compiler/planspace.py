@@ -49,13 +49,13 @@ from fxpar.compiler.costmodel import (
 from fxpar.compiler.memory import peak_bytes, schedule_in_flight
 from fxpar.compiler.passdriver import run_passes
 from fxpar.compiler.profile import Profile
-from fxpar.compiler.simulate import SimResult, simulate, split_keys
+from fxpar.compiler.simulate import SimResult, simulate
 from fxpar.core import meta
 from fxpar.core.geometry import Grid
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.roles import chunks_per_copy
-from fxpar.core.schedule import Action, Schedule, chain
+from fxpar.core.schedule import Action, Schedule, chain, split_keys
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, classify
 from fxpar.frontend.trace import trace
 from fxpar.passes.precision import precision
@@ -458,7 +458,7 @@ def _simulate(t: ModelTable, plan: Plan, st: Stages, sync: list[float], step: li
     data-parallel copies run the same actions at the same time)."""
     k = plan.stages
     schedule = _schedule(t, plan)
-    split = split_keys(schedule)
+    split = split_keys(schedule.values())
     recompute = plan.recompute == "always"
 
     def seconds(rank: int, a: Action) -> float:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from fxpar.core import meta
 from fxpar.core.meta import NodeCost
-from fxpar.core.schedule import Action, Links, Schedule
+from fxpar.core.schedule import Action, Links, Schedule, split_keys
 from fxpar.passes.spatial_region import SpatialLayout
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
 
@@ -81,7 +81,7 @@ def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
     ``timing.transfer`` after its send."""
     together = together or {}
     senders = _senders(links)
-    split = split_keys(schedule)
+    split = split_keys(schedule.values())
     sent: dict[Action, float] = {}  # (kind, stage, mb, copy) of a send -> time it ran
     source: dict[Action, int] = {}  # ... and the rank that sent it last
     clock = {r: 0.0 for r in schedule}
@@ -144,12 +144,6 @@ def simulate(schedule: Schedule, links: Links, f_cost: float = 1.0,
     if stuck:
         raise ScheduleError(f"deadlock: ranks wait forever at {stuck}")
     return SimResult(max(clock.values()), busy, spans)
-
-
-def split_keys(schedule: Schedule) -> frozenset[tuple[int, int, int]]:
-    """(copy, stage, micro-batch) of every backward the schedule splits into B and W."""
-    return frozenset((a.copy, a.stage, a.mb) for acts in schedule.values() for a in acts
-                     if a.kind == "W")
 
 
 def _cost(a: Action, rank: int, timing: Timing | None, stage_cost: Mapping[int, float] | None,
@@ -237,8 +231,7 @@ def interleave(queues: dict[int, list[list[Action]]], links: Links, f_cost: floa
     together: tile groups (see ``Together``); ranks that share two of them (GEMS with spatial
     parts) then meet their peers in each in one order."""
     senders = _senders(links)
-    split = frozenset((a.copy, a.stage, a.mb) for qs in queues.values() for q in qs for a in q
-                      if a.kind == "W")
+    split = split_keys(q for qs in queues.values() for q in qs)
     sent: dict[Action, float] = {}
     clock = {r: 0.0 for r in queues}
     pcs = {r: [0] * len(qs) for r, qs in queues.items()}

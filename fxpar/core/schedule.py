@@ -16,7 +16,7 @@ runtime is one loop over a rank's list.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "STEP")
@@ -55,6 +55,12 @@ class Action(NamedTuple):
 
 
 Schedule = dict[int, list[Action]]
+
+
+def split_keys(lists: Iterable[Sequence[Action]]) -> frozenset[tuple[int, int, int]]:
+    """(copy, stage, micro-batch) of every backward that ``lists`` (a schedule's action lists)
+    split into B (input gradients) and W (weight gradients): those with a W."""
+    return frozenset((a.copy, a.stage, a.mb) for acts in lists for a in acts if a.kind == "W")
 
 
 # Generators give, per stage, the compute order (F and B only); `lower` adds communication and

@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm, Request
 from fxpar.core.geometry import Grid, Rect
 from fxpar.core.messages import Message, messages, transfer_kind
-from fxpar.core.schedule import Action, Schedule, format_grid
+from fxpar.core.schedule import Action, Schedule, format_grid, split_keys
 from fxpar.core.stages import StageGraph, Transfer
 from fxpar.runtime.recompute import Record, buffers, recording, replaying, restore
 from fxpar.runtime.segments import Segmented, segmented
@@ -154,7 +155,6 @@ class Runtime:
     in it, as in a user's autocast block (the stages' casts are graph nodes already:
     fxpar.passes.precision)."""
     _waited: float = field(default=0.0, repr=False)
-    _split: dict[int, frozenset[Key]] = field(default_factory=dict, repr=False)
 
     def run(self, state: StepState, actions: list[Action] | None = None) -> None:
         """The loop: every action of this rank, in order."""
@@ -339,7 +339,7 @@ class Runtime:
             pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
                      if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
             roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
-        if key in self._split_keys():  # input gradients now, weight gradients at the W
+        if key in self._split:  # input gradients now, weight gradients at the W
             ins = st.inputs.pop(key)
             if not roots:
                 st.grads[key], st.weights[key] = [None] * len(ins), WeightWork([])
@@ -352,13 +352,10 @@ class Runtime:
             torch.autograd.backward(roots, seeds)
         st.grads[key] = [x.grad for x in st.inputs.pop(key)]
 
-    def _split_keys(self) -> frozenset[Key]:
-        """The (copy, stage, micro-batch) whose backward this rank's schedule splits (it has
-        a W for them)."""
-        if self.rank not in self._split:
-            self._split[self.rank] = frozenset((a.copy, a.stage, a.mb)
-                                               for a in self.schedule[self.rank] if a.kind == "W")
-        return self._split[self.rank]
+    @cached_property
+    def _split(self) -> frozenset[Key]:
+        """The (copy, stage, micro-batch) whose backward this rank's schedule splits."""
+        return split_keys([self.schedule[self.rank]])
 
     def _weights(self, a: Action, st: StepState) -> None:
         """W: the weight gradients of a split backward (fxpar.runtime.splitgrad)."""
