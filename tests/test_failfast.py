@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fxpar
-from fxpar.comm import failfast
+from fxpar.comm import failfast, watchdog
 from fxpar.comm.failfast import Disagreement, agree
 
 
@@ -87,32 +87,33 @@ def fired(monkeypatch) -> threading.Event:
 
 def test_watchdog_fires_on_a_long_wait_with_what_and_where(capfd, monkeypatch, fired):
     monkeypatch.setattr(failfast, "_rank_size", lambda: (3, 4))
-    failfast.set_watchdog(0.3)
+    watchdog.set_watchdog(0.3)
     try:
-        with failfast.watching(lambda: "receive of (2, 8) float64 from rank 1 (tag 5)"):
-            failfast.doing("1B0")
+        with watchdog.watching(lambda: "receive of (2, 8) float64 from rank 1 (tag 5)"):
+            watchdog.doing("1B0")
             time.sleep(0.1)  # short waits never fire
         assert not fired.is_set()
-        with failfast.watching(lambda: "receive of (2, 8) float64 from rank 1 (tag 5)"):
+        with watchdog.watching(lambda: "receive of (2, 8) float64 from rank 1 (tag 5)"):
             assert fired.wait(5.0)
     finally:
-        failfast.set_watchdog(None)
+        watchdog.set_watchdog(None)
     err = capfd.readouterr().err
     assert "fxpar watchdog: rank 3 waited 0 s in receive of (2, 8) float64 from rank 1 " \
            "(tag 5) (while running action 1B0)" in err
 
 
 def test_watchdog_is_a_shared_no_op_when_off():
-    failfast.set_watchdog(None)
-    assert failfast.watching(lambda: "x") is failfast.watching(lambda: "y")
+    watchdog.set_watchdog(None)
+    assert watchdog.watching(lambda: "x") is watchdog.watching(lambda: "y")
     with pytest.raises(ValueError, match="must be >= 0"):
-        failfast.set_watchdog(-1)
+        watchdog.set_watchdog(-1)
 
 
 def test_bad_watchdog_environment_says_what_to_give(monkeypatch):
     monkeypatch.setenv("FXPAR_WATCHDOG", "ten minutes")
-    with pytest.raises(ValueError, match="FXPAR_WATCHDOG='ten minutes': give the seconds"):
-        failfast.configure()
+    monkeypatch.setattr(watchdog, "_configured", False)
+    with pytest.raises(ValueError, match="FXPAR_WATCHDOG='ten minutes': give auto"):
+        watchdog.configure()
 
 
 def test_hook_is_installed_only_in_multi_rank_launches(monkeypatch):
@@ -136,10 +137,10 @@ def test_watchdog_covers_the_torch_distributed_backend(capfd, monkeypatch, fired
             assert fired.wait(5.0)
 
     monkeypatch.setattr(failfast, "_rank_size", lambda: (1, 2))
-    failfast.set_watchdog(0.3)
+    watchdog.set_watchdog(0.3)
     try:
         Work(Stuck(), None, lambda: "receive of (4,) float32 from rank 0 (tag 3)").wait()
     finally:
-        failfast.set_watchdog(None)
+        watchdog.set_watchdog(None)
     assert "fxpar watchdog: rank 1 waited 0 s in receive of (4,) float32 from rank 0 (tag 3)" \
         in capfd.readouterr().err

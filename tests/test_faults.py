@@ -70,6 +70,7 @@ def _cli(extra0: str = "", extra1: str = "") -> list[str]:
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory) -> dict[str, Ran]:
     det = [tmp_path_factory.mktemp(f"det{i}") for i in range(2)]
+    nan = tmp_path_factory.mktemp("nan")
     launches = {
         "loss_raises": (_job(2, "loss_raises"), {}),
         "data_loader_raises": (_job(2, "data_loader_raises"), {}),
@@ -79,6 +80,10 @@ def ran(tmp_path_factory) -> dict[str, Ran]:
         "rank_stuck_torch": (_job(2, "rank_stuck_before_sending"),
                              {"FXPAR_WATCHDOG": "3", "FXPAR_COMM": "torch"}),
         "ranks_seeded_differently": (_job(2, "ranks_seeded_differently"), {}),
+        "caught_and_exits": (_job(3, "caught_and_exits"), {"FXPAR_FAULT": "2:2:raise"}),
+        "caught_and_closes": (_job(3, "caught_and_closes"), {"FXPAR_FAULT": "0:2:raise"}),
+        "one_rank_stops_early": (_job(2, "one_rank_stops_early"), {}),
+        "nan_undone": (_job(3, "nan_undone", nan), {"FXPAR_FAULT": "1:2:nan-loss"}),
         "cli_data_on_one_rank": (_cli("", "--data /nonexistent"), {}),
         "cli_plans_differ": (_cli("", "--parts 4"), {}),
         "determinism0": (_job(3, "determinism", det[0]), {}),
@@ -89,6 +94,7 @@ def ran(tmp_path_factory) -> dict[str, Ran]:
         results = {k: f.result() for k, f in futures.items()}
     for k, r in results.items():
         print(f"{k}: exit {r.rc} after {r.seconds:.1f} s")
+    results["_nan"] = Ran(0, json.dumps(sorted(p.name for p in nan.iterdir())), 0.0)
     results["_det"] = Ran(0, json.dumps([
         {p.name: json.loads(p.read_text()) for p in sorted(d.iterdir())} for d in det]), 0.0)
     return results
@@ -105,7 +111,7 @@ def _failed_alone(r: Ran, rank: int, size: int) -> None:
 def test_user_loss_raising_on_the_last_stage_ends_the_job_with_the_grid(ran):
     r = ran["loss_raises"]
     _failed_alone(r, rank=1, size=2)
-    assert r.out.count("fxpar.runtime.loop.ActionFailed: rank 1, step 1, action 1F0: ValueError: "
+    assert r.out.count("fxpar.runtime.loop.ActionFailed: rank 1, step 2, action 1F0: ValueError: "
                        "injected failure in the user's loss") == 1, r.out[-3000:]
     assert "[fxpar rank 1] action 1F0 failed" in r.out
     assert "1F0 <-- ERROR HERE" in r.out  # the failing cell of the step x rank grid
@@ -121,7 +127,7 @@ def test_data_loader_failing_on_one_rank_ends_the_job(ran):
 def test_out_of_memory_in_a_stage_forward_ends_the_job(ran):
     r = ran["out_of_memory_in_forward"]
     _failed_alone(r, rank=2, size=3)
-    assert r.out.count("fxpar.runtime.loop.ActionFailed: rank 2, step 1, action 1F0: "
+    assert r.out.count("fxpar.runtime.loop.ActionFailed: rank 2, step 2, action 1F0: "
                        "RuntimeError: [enforce fail") == 1, r.out[-3000:]
     assert "DefaultCPUAllocator: can't allocate memory" in r.out
 
@@ -185,3 +191,40 @@ def test_same_seed_and_plan_are_bit_identical_across_runs(ran):
         assert got["tensors"] >= 11  # parameters, BN buffers and gradients of its stages
         assert len(set(got["losses"])) == 3  # it trained: each step's loss differs
         assert second[name] == got, name  # digest of every tensor's bytes, and the losses
+
+
+def test_a_caught_failure_and_sys_exit_still_end_the_job(ran):
+    """Issue 23's hang: the script catches the failed step (SP2+PP, rank 2, step 2) and
+    leaves with sys.exit(2); the program was marked failed, so leaving ends the job."""
+    r = ran["caught_and_exits"]
+    assert r.rc is not None, f"the job hung (killed after {TIMEOUT:.0f} s):\n{r.out[-3000:]}"
+    assert r.rc != 0 and r.seconds < BOUND, (r.rc, r.seconds, r.out[-3000:])
+    assert "[rank 2] caught ActionFailed; exiting with code 2" in r.out, r.out[-3000:]
+    assert r.out.count("is leaving with a failed program") == 1, r.out[-3000:]
+    assert "fxpar: rank 2 of 3 is leaving with a failed program (rank 2, step 2: " \
+           "ActionFailed" in r.out, r.out[-3000:]
+
+
+def test_closing_a_failed_program_ends_the_job(ran):
+    r = ran["caught_and_closes"]
+    assert r.rc is not None, f"the job hung (killed after {TIMEOUT:.0f} s):\n{r.out[-3000:]}"
+    assert r.rc != 0 and r.seconds < BOUND, (r.rc, r.seconds, r.out[-3000:])
+    assert "[rank 0] caught ActionFailed; going on" in r.out, r.out[-3000:]
+    assert "fxpar: rank 0 of 3 is leaving with a failed program" in r.out, r.out[-3000:]
+
+
+def test_a_rank_that_leaves_early_ends_the_job_naming_it(ran):
+    r = ran["one_rank_stops_early"]
+    assert r.rc is not None, f"the job hung (killed after {TIMEOUT:.0f} s):\n{r.out[-3000:]}"
+    assert r.rc != 0 and r.seconds < BOUND, (r.rc, r.seconds, r.out[-3000:])
+    assert "fxpar watchdog: rank 1 left the job (its process exited) after 1 step while " \
+           "rank 0 is in step 2" in r.out, r.out[-3000:]
+
+
+def test_a_nan_step_is_undone_on_every_rank_under_stop_and_skip(ran):
+    """NaN injected on one tile (SP2+PP): under stop every rank raises NonFiniteError and the
+    script goes on; under skip the step is dropped. Both end bit-identical (parameters,
+    BatchNorm buffers, momentum, losses) to the job trained without that batch."""
+    r = ran["nan_undone"]
+    assert r.rc == 0, r.out[-3000:]
+    assert json.loads(ran["_nan"].out) == ["rank0.ok", "rank1.ok", "rank2.ok"]

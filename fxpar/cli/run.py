@@ -45,7 +45,7 @@ from fxpar.cli.train import (  # train and finish: re-exported (tests, users imp
 )
 from fxpar.cli.train import finish as finish
 from fxpar.cli.train import train as train
-from fxpar.comm import failfast
+from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import compile as fx_compile
 from fxpar.core.geometry import Rect
@@ -142,10 +142,15 @@ def parser() -> argparse.ArgumentParser:
                    help="save a sharded checkpoint to DIR at the end (fxpar.io.checkpoint)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help="with --checkpoint: also every K steps")
-    p.add_argument("--watchdog", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--watchdog", default=None, metavar="auto|auto:FLOOR|SECONDS",
                    help="end the whole job when a rank waits longer than this in one "
-                        "communication call (a peer stuck or dead); default FXPAR_WATCHDOG "
-                        "or off")
+                        "communication call (a peer stuck or dead), printing where every rank "
+                        "is; default FXPAR_WATCHDOG or auto (10 x the slowest step, at least "
+                        "300 s); 0 turns it off")
+    p.add_argument("--nonfinite", choices=("stop", "skip", "off"), default=None,
+                   help="a NaN or inf loss or gradient on any rank: stop the job naming the "
+                        "step and ranks (default, FXPAR_NONFINITE), skip that step on every "
+                        "rank, or do not check")
     p.add_argument("--resume", type=Path, default=None, metavar="DIR",
                    help="continue from the checkpoint in DIR (same plan and ranks)")
     g = p.add_argument_group("plan (MPI4DL's names in brackets)")
@@ -404,7 +409,7 @@ def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
     """Check everything (plan, model, data), then build this rank's program. Raises one of
     USER_ERRORS before any communication."""
     if a.watchdog is not None:
-        failfast.set_watchdog(a.watchdog)
+        watchdog.set_watchdog(a.watchdog)
     if a.log_every is not None and a.log_every < 1:
         raise ValueError("--log-every must be >= 1")
     if a.checkpoint_every is not None and (a.checkpoint is None or a.checkpoint_every < 1):

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fxpar.comm import failfast
+
 if TYPE_CHECKING:
     from fxpar.comm.mpi import Comm
 
@@ -86,7 +88,7 @@ def bind(comm: Comm | None = None, device: str = "auto") -> torch.device:
 
 def _libmpi() -> Any:
     """The loaded MPI library, for MPIX extension queries mpi4py does not wrap."""
-    from mpi4py import MPI  # noqa: F401 - loads libmpi
+    failfast.mpi()  # loads libmpi
 
     try:
         with open("/proc/self/maps") as maps:
@@ -112,8 +114,7 @@ def cuda_aware_mpi() -> bool:
         return env == "1"
     if env:
         raise ValueError(f"FXPAR_CUDA_AWARE={env!r}: use 1 (MPI reads device memory) or 0")
-    from mpi4py import MPI
-
+    MPI = failfast.mpi()
     query = getattr(MPI, "Query_cuda_support", None)  # in case a later mpi4py wraps it
     if query is not None:
         return bool(query())

@@ -14,10 +14,11 @@ with the mpich wheel: a 2-rank job whose rank 1 raises while rank 0 receives nev
   what it compiled (plan, schedule, transfers, initial weights) or the error it hit, so ranks
   that would disagree (another plan, another seed, one rank failing to compile) all raise the
   same :class:`Disagreement` instead of deadlocking later.
-* the watchdog (``FXPAR_WATCHDOG=SECONDS``, ``fxpar-run --watchdog``, :func:`set_watchdog`):
-  every blocking communication call of :class:`fxpar.comm.mpi.Comm` runs under :func:`watching`;
-  one that waits longer than the limit prints what it waited for (and the action the runtime
-  was running) and aborts the job: a peer stuck in a loop or dead without the launcher noticing.
+* a rank whose program failed (:func:`mark_failed`: a step raised) may not leave quietly: its
+  peers wait in that step. When the user's script catches the error and exits anyway
+  (``sys.exit``, the end of the script), an ``atexit`` handler ends the whole job instead of
+  waiting in ``MPI_Finalize``; ``RankProgram.close()`` of a failed program does it at once.
+* the watchdog (fxpar.comm.watchdog) ends a job whose ranks wait too long or that a rank left.
 
 A rank killed by a signal (``kill -9``, the kernel's OOM killer) is noticed by the launcher,
 which ends the others (Hydra: "BAD TERMINATION ... KILLED BY SIGNAL: 9").
@@ -25,20 +26,19 @@ which ends the others (Hydra: "BAD TERMINATION ... KILLED BY SIGNAL: 9").
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import hashlib
 import os
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
 from fxpar.core.plan import PlanError
 
-WATCHDOG_ENV = "FXPAR_WATCHDOG"
 FAILFAST_ENV = "FXPAR_FAILFAST"
 # Environment variables an MPI launcher sets in every rank (MPICH/Hydra, Open MPI, Slurm).
 LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
@@ -63,11 +63,11 @@ def failure_banner(rank: int, size: int) -> str:
             f"Its traceback follows; other ranks are stopped without one.")
 
 
-def watchdog_message(rank: int, seconds: float, what: str, doing: str) -> str:
-    return (f"fxpar watchdog: rank {rank} waited {seconds:.0f} s in {what}{doing}; a peer rank "
-            f"is stuck, deadlocked or dead. Ending the whole job (MPI_Abort). If a step can "
-            f"legitimately wait this long, raise {WATCHDOG_ENV} (fxpar-run --watchdog); 0 "
-            f"turns the watchdog off.")
+def left_failed_message(rank: int, size: int, failure: str) -> str:
+    return (f"fxpar: rank {rank} of {size} is leaving with a failed program ({failure}). Its "
+            f"peers wait in that step for it, so the whole job ends now (MPI_Abort) instead of "
+            f"hanging in MPI_Finalize. A failed step cannot be resumed: let the error "
+            f"propagate, or resume from a checkpoint in a new job.")
 
 
 def disagreement_message(kind: str, detail: str) -> str:
@@ -82,6 +82,9 @@ def disagreement_message(kind: str, detail: str) -> str:
 class Disagreement(PlanError):
     """Raised on every rank alike when the start-up check finds ranks that failed or differ."""
 
+    everywhere = True
+    """Raised on every rank at the same point (the fail-fast hook prints it once, rank 0's)."""
+
 
 # -- the exception hook ------------------------------------------------------------------------
 _installed = False
@@ -92,31 +95,61 @@ _previous: tuple[Any, Any] | None = None
 _abort: Callable[[int], None] | None = None
 
 
-def _world_abort(code: int) -> None:
+YIELD_VAR = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
+LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def oversubscribed(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+    """Whether the launcher put more ranks on this node than this process may use cores."""
+    env = os.environ if environ is None else environ
+    for var in LOCAL_SIZE_VARS:
+        if env.get(var, "").isdigit():
+            return int(env[var]) > len(os.sched_getaffinity(0))
+    return False
+
+
+def mpi() -> Any:
+    """mpi4py's MPI module (initialising MPI on first use).
+
+    Before MPI starts on a node with more ranks than cores, this asks MPICH to sleep instead of
+    spinning while a call waits (``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``, unless set): spinning
+    ranks take the cores the computing ones need (3x slower steps measured with 6 ranks on 2
+    cores). Open MPI does the same by itself when oversubscribed."""
+    if "mpi4py.MPI" not in sys.modules and YIELD_VAR not in os.environ and oversubscribed():
+        os.environ[YIELD_VAR] = "1"
     from mpi4py import MPI
 
-    MPI.COMM_WORLD.Abort(code)
+    return MPI
 
 
-def _say(text: str) -> None:
+def _world_abort(code: int) -> None:
+    mpi().COMM_WORLD.Abort(code)
+
+
+def say(text: str) -> None:
     """Write ``text`` and its newline to stderr in one call: ranks failing at once (several
     watchdogs firing) then print whole lines, not one glued to another."""
     sys.stderr.write(text.rstrip("\n") + "\n")
     sys.stderr.flush()
 
 
+def end(code: int = 1) -> None:
+    """End every rank of the job now."""
+    sys.stdout.flush()
+    (_abort or _world_abort)(code)
+    os._exit(code)  # MPI_Abort can return when every peer has already exited
+
+
 def _end_job(rank: int, size: int, text: str) -> None:
     """Print ``text`` under the banner, then end every rank of the job."""
     sys.stdout.flush()
-    _say(f"{failure_banner(rank, size)}\n{text}")
-    (_abort or _world_abort)(1)
-    os._exit(1)  # MPI_Abort can return when every peer has already exited
+    say(f"{failure_banner(rank, size)}\n{text}")
+    end(1)
 
 
 def _rank_size() -> tuple[int, int]:
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    world = mpi().COMM_WORLD
+    return world.Get_rank(), world.Get_size()
 
 
 def fail(exc: BaseException) -> None:
@@ -128,15 +161,12 @@ def fail(exc: BaseException) -> None:
 def _hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
     rank, size = _rank_size()
     text = "".join(traceback.format_exception(kind, value, tb))
-    if isinstance(value, Disagreement):  # raised on every rank alike: rank 0 says it, once
+    if getattr(value, "everywhere", False):  # raised on every rank alike: rank 0 says it once
         if rank != 0:
             time.sleep(10.0)  # rank 0's abort normally ends this process first
-            (_abort or _world_abort)(1)
-            os._exit(1)
-        sys.stdout.flush()
-        _say(f"fxpar: the start-up check failed on every rank; ending the whole job.\n{text}")
-        (_abort or _world_abort)(1)
-        os._exit(1)
+            end(1)
+        say(f"fxpar: every rank stopped with this error; ending the whole job.\n{text}")
+        end(1)
     _end_job(rank, size, text)
 
 
@@ -154,7 +184,6 @@ def install(abort: Callable[[int], None] | None = None, force: bool = False) -> 
     Each call that returns True counts as one holder: :func:`uninstall` releases one, and the
     last puts back the hooks that were there before (a rank program holds it while open)."""
     global _installed, _abort, _holders, _previous
-    configure()
     if os.environ.get(FAILFAST_ENV, "1") == "0":
         return False
     if not force and not (launched() and _launched_size() > 1):
@@ -190,6 +219,42 @@ def uninstall(held: bool = True) -> None:
 def installed() -> bool:
     """Whether the fail-fast hook is installed now."""
     return _installed
+
+
+# -- failed programs ------------------------------------------------------------------------
+_failure: str | None = None
+"""What failed on this rank (a step of some rank program), or None."""
+
+
+def mark_failed(what: str) -> None:
+    """Note that a step failed on this rank: from now on, leaving the process (however) ends
+    the whole job, since the peers wait in that step. Only in a job where the hook is
+    installed (a multi-rank launch)."""
+    global _failure
+    if not _installed:
+        return
+    if _failure is None:
+        atexit.register(_leaving)  # after mpi4py's: runs before MPI_Finalize
+    _failure = what
+
+
+def failure() -> str | None:
+    """What failed on this rank (see :func:`mark_failed`), or None."""
+    return _failure
+
+
+def end_failed() -> None:
+    """End the job because this rank's program failed (no-op when none did)."""
+    if _failure is None or not _installed:
+        return
+    rank, size = _rank_size()
+    say(left_failed_message(rank, size, _failure))
+    end(1)
+
+
+def _leaving() -> None:
+    if _failure is not None and _installed:
+        end_failed()
 
 
 # -- start-up agreement ------------------------------------------------------------------------
@@ -245,94 +310,3 @@ def digest(*parts: object) -> str:
         h.update(repr(p).encode())
         h.update(b"\0")
     return h.hexdigest()[:16]
-
-
-# -- the watchdog ------------------------------------------------------------------------------
-class Watchdog:
-    """Ends the job when one blocking call waits longer than ``seconds`` (a daemon thread checks
-    a few times per limit). ``doing``: what the runtime is running (the action), for messages."""
-
-    def __init__(self, seconds: float, rank: Callable[[], int]) -> None:
-        self.seconds = seconds
-        self.rank = rank
-        self.doing = ""
-        self._since: float | None = None
-        self._what: Callable[[], str] | None = None
-        self._depth = 0
-        self._thread: threading.Thread | None = None
-
-    @contextlib.contextmanager
-    def watching(self, what: Callable[[], str]) -> Iterator[None]:
-        outer = self._depth == 0
-        if outer:
-            self._what = what
-            self._since = time.monotonic()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="fxpar-watchdog",
-                                                daemon=True)
-                self._thread.start()
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if outer:
-                self._since = None
-
-    def _run(self) -> None:
-        tick = min(1.0, max(0.05, self.seconds / 5))
-        while True:
-            time.sleep(tick)
-            since, what = self._since, self._what
-            if since is None or what is None or time.monotonic() - since < self.seconds:
-                continue
-            doing = f" (while running action {self.doing})" if self.doing else ""
-            rank = self.rank()
-            sys.stdout.flush()
-            _say(watchdog_message(rank, time.monotonic() - since, what(), doing))
-            (_abort or _world_abort)(1)
-            os._exit(1)
-
-
-_watchdog: Watchdog | None = None
-_NOTHING = contextlib.nullcontext()
-
-
-def set_watchdog(seconds: float | None) -> None:
-    """Abort the job when a communication call blocks longer than ``seconds`` (None/0: off)."""
-    global _watchdog
-    if seconds is not None and seconds < 0:
-        raise ValueError(f"watchdog seconds must be >= 0 (0 turns it off), got {seconds}")
-    if not seconds:
-        _watchdog = None
-        return
-    if _watchdog is None:
-        _watchdog = Watchdog(seconds, lambda: _rank_size()[0])
-    _watchdog.seconds = seconds
-
-
-def configure() -> None:
-    """Read ``FXPAR_WATCHDOG`` (seconds; unset or 0: no watchdog). Called by :func:`install`
-    and :func:`fxpar.comm.world.world`; an explicit :func:`set_watchdog` later wins."""
-    value = os.environ.get(WATCHDOG_ENV, "")
-    if not value:
-        return
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{WATCHDOG_ENV}={value!r}: give the seconds a communication call "
-                         f"may wait (e.g. 600), or 0 for no watchdog") from None
-    set_watchdog(seconds)
-
-
-def watching(what: Callable[[], str]) -> contextlib.AbstractContextManager[None]:
-    """Context for one blocking communication call; ``what()`` describes it (called only when
-    the watchdog fires). A shared no-op when the watchdog is off."""
-    return _NOTHING if _watchdog is None else _watchdog.watching(what)
-
-
-def doing(action: object) -> None:
-    """Note what the runtime is running now (named in a watchdog message)."""
-    if _watchdog is not None:
-        _watchdog.doing = str(action)
-

@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fxpar.comm.failfast import watching
+from fxpar.comm.failfast import mpi
+from fxpar.comm.watchdog import watching
 from fxpar.core.messages import MPI_TAG_UB_MIN
 
 # dtypes NumPy has no type for travel as same-width integers (bit patterns are preserved); they
@@ -41,9 +42,7 @@ _BITCAST = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8,
 
 
 def _mpi() -> Any:
-    from mpi4py import MPI  # imported lazily: analysis and inspect never need MPI
-
-    return MPI
+    return mpi()  # imported lazily: analysis and inspect never need MPI
 
 
 def _prepared(t: torch.Tensor, *, writable: bool) -> torch.Tensor:

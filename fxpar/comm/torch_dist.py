@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxpar.comm.failfast import watching
 from fxpar.comm.mpi import Comm
+from fxpar.comm.watchdog import watching
 
 _TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("FXPAR_TORCH_TIMEOUT", "600")))
 _world: TorchComm | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from fxpar.comm import failfast
+from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.comm.torch_dist import torch_world
 
@@ -14,11 +14,15 @@ def world(backend: str | None = None) -> Comm:
 
     backend: "mpi" (mpi4py, the default) or "torch" (torch.distributed, see fxpar.comm.torch_dist:
     NCCL collectives on GPUs); None reads ``FXPAR_COMM`` (default "mpi")."""
-    failfast.configure()
+    watchdog.configure()
     backend = backend or os.environ.get("FXPAR_COMM") or "mpi"
     if backend == "mpi":
-        return Comm()
-    if backend == "torch":
-        return torch_world()
-    raise ValueError(f"unknown communication backend {backend!r} (FXPAR_COMM or "
-                     f"world(backend=...)): use 'mpi' or 'torch'")
+        comm: Comm = Comm()
+    elif backend == "torch":
+        comm = torch_world()
+    else:
+        raise ValueError(f"unknown communication backend {backend!r} (FXPAR_COMM or "
+                         f"world(backend=...)): use 'mpi' or 'torch'")
+    if comm.size > 1 and failfast.launched():
+        watchdog.attach()  # collective, once per process: every rank's first world()
+    return comm

@@ -274,19 +274,35 @@ def single_rank(microbatches: int = 1) -> Schedule:
     return pipeline(1, microbatches)
 
 
-def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None) -> str:
-    """The schedule as a step x rank table; ``mark=(rank, step)`` flags one cell."""
+def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None,
+                here: dict[int, int] | None = None, context: int = 4) -> str:
+    """The schedule as a step x rank table; ``mark=(rank, step)`` flags one cell as the error,
+    ``here={rank: step}`` flags where each rank is. With ``here``, a long table shows only the
+    rows within ``context`` of a flagged one."""
     ranks = sorted(schedule)
     steps = max((len(a) for a in schedule.values()), default=0)
     width = max([len(str(a)) for acts in schedule.values() for a in acts] + [6]) + 2
+    flagged = {*(here or {}).values(), *([mark[1]] if mark else [])}
+    keep = range(steps) if not here or steps <= 4 * context + 8 else \
+        sorted({s for f in flagged for s in range(f - context, f + context + 1)
+                if 0 <= s < steps})
+    width += 8 if here else 0
     lines = [("step  " + "".join(f"rank {r}".ljust(width) for r in ranks)).rstrip()]
-    for s in range(steps):
+    last = -1
+    for s in keep:
+        if s != last + 1:
+            lines.append("...")
+        last = s
         cells = []
         for r in ranks:
             acts = schedule[r]
             cell = str(acts[s]) if s < len(acts) else ""
             if mark == (r, s):
                 cell += " <-- ERROR HERE"
+            if here and here.get(r) == s:
+                cell += " <-- HERE"
             cells.append(cell.ljust(width))
         lines.append(f"{s:<6}" + "".join(cells).rstrip())
+    if keep and last != steps - 1:
+        lines.append("...")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxpar.comm import failfast
+from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.core import meta
 from fxpar.core.geometry import Grid, Rect
@@ -34,9 +34,10 @@ from fxpar.core.messages import check_tags, tag_uses
 from fxpar.core.meta import TensorInfo
 from fxpar.core.plan import PRECISION_DTYPES, Plan, PlanError, RankMap
 from fxpar.core.roles import chunks_per_copy, first_chunk
-from fxpar.core.schedule import Action, Schedule
+from fxpar.core.schedule import Action, Schedule, format_grid
 from fxpar.core.stages import StageGraph
 from fxpar.io.groups import communicators, stage_syncs, tile_groups
+from fxpar.runtime.guard import StepGuard, nonfinite_policy
 from fxpar.runtime.loop import LossFn, Runtime, StepState, Tiling
 from fxpar.runtime.materialize import InitFn, materialize_rank
 from fxpar.runtime.scale import LossScale
@@ -236,6 +237,7 @@ class Program:
                 "model (state_dict names)": failfast.digest(self.names),
                 "schedule": failfast.digest(sorted(self.schedule.items())),
                 "stage transfers": failfast.digest(self.graph.transfers),
+                "NaN policy (FXPAR_NONFINITE)": nonfinite_policy(),
                 "torch version": torch.__version__,
                 "initial weights": failfast.digest(weights)}
 
@@ -285,14 +287,29 @@ class RankProgram:
             sync=self._sync, recompute=program.recompute,
             precision=PRECISION_DTYPES[plan.precision], before_step=self._before_step,
             segments=plan.recompute_segments)
+        self.guard = StepGuard(rank, comm, self._buffers, self._grads)
+        """Failed steps, NaN/inf, injected faults, the watchdog's clock (fxpar.runtime.guard)."""
+        dog = watchdog.current()
+        if self._failfast and dog is not None:  # its report draws this program's grid
+            dog.grid = lambda here: format_grid(program.schedule, here=here)
 
-    def _before_step(self) -> bool:
+    def _buffers(self) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
+        for m in self._modules():
+            for b in m.buffers():
+                seen.setdefault(id(b), b)
+        return list(seen.values())
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.parameters() if p.grad is not None]
+
+    def _before_step(self, st: StepState) -> bool:
         """With a loss scale: unscale this rank's gradients, agree with every rank on whether
-        all are finite (one allreduce), update the scale; False skips the step everywhere."""
+        all are finite (one allreduce), update the scale; False skips the step everywhere.
+        Otherwise the guard's NaN/inf check (one allreduce, unless FXPAR_NONFINITE=off)."""
         if self.loss_scale is None:
-            return True
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        return self.loss_scale.unscale(grads, self.comm, self.device)
+            return self.guard.finite(st.losses)
+        return self.loss_scale.unscale(self._grads(), self.comm, self.device)
 
     def _merge_stats(self) -> bool:
         return self.plan.copies > 1 or self.plan.data_parallel > 1
@@ -318,9 +335,13 @@ class RankProgram:
         parameters, its tile ops' communicators, the sub-communicators it made (every rank
         closes its program, in the same order as its peers) and its hold on the fail-fast hook
         (the last holder puts back the hooks found before). Idempotent; a closed program no
-        longer trains. The world communicator it was given stays open."""
+        longer trains. The world communicator it was given stays open.
+
+        Closing a program whose step failed ends the whole job (its peers wait in that step)."""
         if self._closed:
             return
+        if self.guard.failed is not None and self._failfast:
+            failfast.end_failed()
         self._closed = True
         for sync in self.syncs:
             sync.close()
@@ -404,7 +425,23 @@ class RankProgram:
         Gradients are zeroed first and left in place afterwards (for inspection).
         x: the whole batch's shape, but only :meth:`input_window` of it is read (a loader may
         fill just that part of a ``torch.empty``); None on a rank whose window is None.
-        y: None on a rank that does not hold the last stage (only the loss reads targets)."""
+        y: None on a rank that does not hold the last stage (only the loss reads targets).
+
+        A NaN or inf anywhere raises ``fxpar.runtime.guard.NonFiniteError`` on every rank
+        after undoing the step (``FXPAR_NONFINITE``: fxpar.runtime.guard). Any other exception
+        marks the program failed: leaving the process then ends the whole job."""
+        step, self.runtime.fault = self.guard.begin()
+        try:
+            loss = self._train_step(x, y, step)
+        except BaseException as e:
+            self.guard.fail(step, e)
+            raise
+        finally:
+            self.runtime.fault = None
+        self.guard.end(step)
+        return loss
+
+    def _train_step(self, x: torch.Tensor | None, y: Any, step: int) -> float:
         self._check_omitted(x, y)
         n = self._check_batch(x)
         x, y = self._on_device(x), self._on_device(y)
@@ -413,7 +450,7 @@ class RankProgram:
         xs = [None] * n if x is None else list(torch.tensor_split(x, n))
         factor = self.loss_scale.scale if self.loss_scale is not None else 1.0
         state = StepState(xs, list(_split_target(y, n)),  # type: ignore[arg-type]
-                          scale=factor / n)
+                          scale=factor / n, step=step)
         self.groups.bind()  # tile modules may be shared with another rank program of this Program
         for sync in self.syncs:
             sync.reset()
@@ -488,7 +525,15 @@ class RankProgram:
     def forward(self, x: torch.Tensor | None) -> Any:
         """Inference on ``x`` with the modules' current mode; the output (concatenated over
         micro-batches) on the last stage's ranks, None elsewhere. x: None on a rank whose
-        :meth:`input_window` is None (as for :meth:`train_step`)."""
+        :meth:`input_window` is None (as for :meth:`train_step`). An exception marks the
+        program failed, as in :meth:`train_step`."""
+        try:
+            return self._forward(x)
+        except BaseException as e:
+            self.guard.fail(self.guard.steps, e, f"forward after step {self.guard.steps}")
+            raise
+
+    def _forward(self, x: torch.Tensor | None) -> Any:
         self._check_omitted(x, 0)
         n = self._check_batch(x)
         x = self._on_device(x)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from fxpar.comm import failfast
+from fxpar.comm import watchdog
 from fxpar.comm.mpi import Comm, Request
 from fxpar.core.geometry import Grid, Rect
 from fxpar.core.messages import Message, messages, transfer_kind
@@ -87,6 +87,8 @@ class StepState:
     y_chunks: list[Any]
     scale: float
     train: bool = True
+    step: int = 0
+    """The training step (1-based, as the rank program counts them); 0 for inference."""
     inputs: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[Key, tuple[Any, ...]] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
@@ -144,9 +146,12 @@ class Runtime:
     recompute: frozenset[int] = frozenset()
     """Stages whose forward runs without autograd at F and again, with it, at B
     (``Plan.recompute``; fxpar.runtime.recompute)."""
-    before_step: Callable[[], bool] = lambda: True
+    before_step: Callable[[StepState], bool] = lambda st: True
     """Called by STEP before the optimizer step, on every rank; False skips the step (a
-    float16 loss scale saw an inf: fxpar.runtime.scale)."""
+    float16 loss scale saw an inf, or a NaN with ``nonfinite="skip"``: fxpar.runtime.scale)."""
+    fault: Callable[[Action], bool] | None = None
+    """``FXPAR_FAULT`` for this step (fxpar.runtime.inject): called before each forward; True
+    poisons its inputs with NaN."""
     segments: int = 1
     """Checkpoint segments per stage (``Plan.recompute_segments``; fxpar.runtime.segments)."""
     _segmented: dict[int, Segmented] = field(default_factory=dict, repr=False)
@@ -168,7 +173,7 @@ class Runtime:
         for i, action in enumerate(todo):
             if i in early:
                 continue
-            failfast.doing(action)
+            watchdog.doing(action, i)
             try:
                 if action.kind in ("F", "B"):
                     early.update(self._post_early(todo, i, state, handlers))
@@ -185,7 +190,8 @@ class Runtime:
                 grid = format_grid(self.schedule, mark=mark)
                 print(f"[fxpar rank {self.rank}] action {action} failed: "
                       f"{type(e).__name__}: {e}\n{grid}", file=sys.stderr, flush=True)
-                raise ActionFailed(f"rank {self.rank}, step {i}, action {action}: "
+                when = f"step {state.step}" if state.step else "forward"
+                raise ActionFailed(f"rank {self.rank}, {when}, action {action}: "
                                    f"{type(e).__name__}: {e}") from e
         Comm.waitall(state.sends)
         state.sends.clear()
@@ -227,6 +233,7 @@ class Runtime:
     def _forward(self, a: Action, st: StepState) -> None:
         key = (a.copy, a.stage, a.mb)
         module = self.stages[(a.copy, a.stage)]
+        poison = self.fault is not None and self.fault(a)
         received: dict[int, torch.Tensor] = {}
         for p in st.recv_f.pop(key, []):
             self._block(p.req.wait)
@@ -241,9 +248,12 @@ class Runtime:
         ins: list[torch.Tensor] = []
         for src in self.graph.inputs[a.stage]:
             if src.source == "batch":
-                ins.append(st.x_chunks[self.chunk(a.copy, a.mb)])
+                x = st.x_chunks[self.chunk(a.copy, a.mb)]
+                ins.append(x * math.nan if poison and x.is_floating_point() else x)
             else:
                 buf = received[src.index]
+                if poison and buf.is_floating_point():
+                    buf.mul_(math.nan)
                 if st.train and buf.is_floating_point():
                     buf.requires_grad_(True)
                 ins.append(buf)
@@ -364,7 +374,7 @@ class Runtime:
     def _step(self, a: Action, st: StepState) -> None:
         self._block(lambda: Comm.waitall(st.sends))
         st.sends.clear()
-        go = self.before_step()
+        go = self.before_step(st)
         if self.optimizer is not None and go:
             self.optimizer.step()
 

@@ -134,6 +134,75 @@ def job_ranks_seeded_differently(out: Path) -> None:
     train(compiled("pp", seed=world().rank))
 
 
+def job_caught_and_exits(out: Path) -> None:
+    """The user's loop catches the failure (FXPAR_FAULT=2:2:raise: rank 2, step 2), prints
+    it and leaves with sys.exit(2): the job must still end (it once hung in MPI_Finalize)."""
+    rp = compiled("hybrid")
+    try:
+        train(rp, steps=3)
+    except Exception as e:
+        print(f"[rank {rp.rank}] caught {type(e).__name__}; exiting with code 2", flush=True)
+        sys.exit(2)
+
+
+def job_caught_and_closes(out: Path) -> None:
+    """The same, but the script closes the program (a with block) and returns normally."""
+    with compiled("hybrid") as rp:
+        try:
+            train(rp, steps=3)
+        except Exception as e:
+            print(f"[rank {rp.rank}] caught {type(e).__name__}; going on", flush=True)
+
+
+def job_one_rank_stops_early(out: Path) -> None:
+    """A script bug: rank 1 runs one step, rank 0 three; rank 1's process exits."""
+    rp = compiled("pp")
+    train(rp, steps=1 if rp.rank == 1 else 3)
+
+
+def _state(rp: fxpar.RankProgram) -> list[torch.Tensor]:
+    out = [t.clone() for _, t in sorted(rp.state_dict().items())]
+    for _, p in rp.named_parameters():
+        out.append(rp.optimizer.state[p]["momentum_buffer"].clone())
+    return out
+
+
+def job_nan_undone(out: Path) -> None:
+    """FXPAR_FAULT=1:2:nan-loss (rank 1, a tile, step 2) under both policies, then the same
+    job trained without that batch: the state after each must be bit-identical (the step was
+    undone on every rank: no optimizer step, BatchNorm statistics and counts as before)."""
+    fault = os.environ.pop("FXPAR_FAULT")
+    runs = {}
+    for policy in ("stop", "skip", "reference"):
+        os.environ["FXPAR_FAULT"] = fault if policy != "reference" else ""
+        os.environ["FXPAR_NONFINITE"] = "skip" if policy == "skip" else "stop"
+        rp = compiled("hybrid")
+        losses = []
+        for step in range(3):
+            if policy == "reference" and step == 1:
+                continue
+            x, y = batch(step)
+            try:
+                losses.append(rp.train_step(x, y))
+            except fxpar.NonFiniteError as e:
+                assert policy == "stop" and step == 1, (policy, step)
+                assert "step 2: NaN or inf values (rank" in str(e), e
+                losses.append(None)
+        if policy == "skip":
+            assert rp.guard.skipped == 1 and losses[1] != losses[1], losses  # NaN
+        runs[policy] = (_state(rp), [v for i, v in enumerate(losses) if i != 1 or
+                                    policy == "reference"])
+        rp.close()
+    ref_state, ref_losses = runs["reference"]
+    for policy in ("stop", "skip"):
+        state, losses = runs[policy]
+        assert losses == ref_losses, (policy, losses, ref_losses)
+        assert len(state) == len(ref_state) > 10
+        for a, b in zip(state, ref_state, strict=True):
+            assert torch.equal(a, b), policy
+    (out / f"rank{rp.rank}.ok").write_text(json.dumps(ref_losses))
+
+
 # -- determinism -------------------------------------------------------------------------------
 def _digest(rp: fxpar.RankProgram, losses: list[float]) -> tuple[str, int]:
     h = hashlib.sha256(json.dumps(losses).encode())
