@@ -83,6 +83,8 @@ def ran(tmp_path_factory) -> dict[str, Ran]:
         "caught_and_exits": (_job(3, "caught_and_exits"), {"FXPAR_FAULT": "2:2:raise"}),
         "caught_and_closes": (_job(3, "caught_and_closes"), {"FXPAR_FAULT": "0:2:raise"}),
         "one_rank_stops_early": (_job(2, "one_rank_stops_early"), {}),
+        "stall_reported": (_job(3, "hybrid"), {"FXPAR_FAULT": "1:2:stall",
+                                               "FXPAR_WATCHDOG": "auto:4"}),
         "nan_undone": (_job(3, "nan_undone", nan), {"FXPAR_FAULT": "1:2:nan-loss"}),
         "cli_data_on_one_rank": (_cli("", "--data /nonexistent"), {}),
         "cli_plans_differ": (_cli("", "--parts 4"), {}),
@@ -228,3 +230,18 @@ def test_a_nan_step_is_undone_on_every_rank_under_stop_and_skip(ran):
     r = ran["nan_undone"]
     assert r.rc == 0, r.out[-3000:]
     assert json.loads(ran["_nan"].out) == ["rank0.ok", "rank1.ok", "rank2.ok"]
+
+
+def test_a_stalled_rank_is_found_and_every_rank_says_where_it_is(ran):
+    """FXPAR_FAULT=1:2:stall (a tile of SP2+PP sleeps in its step-2 forward) with the auto
+    watchdog at a 4 s floor: a waiting rank's watchdog ends the job, listing every rank."""
+    r = ran["stall_reported"]
+    assert r.rc is not None, f"the job hung (killed after {TIMEOUT:.0f} s):\n{r.out[-3000:]}"
+    assert r.rc != 0 and r.seconds < BOUND, (r.rc, r.seconds, r.out[-3000:])
+    assert "[fxpar rank 1] FXPAR_FAULT=1:2:stall: stalling in step 2, action 0F0" in r.out
+    assert "fxpar watchdog: rank " in r.out and "The limit was 4 s (auto" in r.out, r.out
+    report = r.out[r.out.index("Where every rank is:"):]
+    assert "  rank 1: step 2, action 0F0: running " in report, report
+    assert "not communicating" in report, report
+    assert report.count(": waiting ") >= 1 and "<-- HERE" in report, report
+    assert "no answer" not in report, report

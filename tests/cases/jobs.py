@@ -134,6 +134,11 @@ def job_ranks_seeded_differently(out: Path) -> None:
     train(compiled("pp", seed=world().rank))
 
 
+def job_hybrid(out: Path) -> None:
+    """Three steps of SP2+PP, nothing else: the faults come from FXPAR_FAULT."""
+    train(compiled("hybrid"), steps=3)
+
+
 def job_caught_and_exits(out: Path) -> None:
     """The user's loop catches the failure (FXPAR_FAULT=2:2:raise: rank 2, step 2), prints
     it and leaves with sys.exit(2): the job must still end (it once hung in MPI_Finalize)."""
