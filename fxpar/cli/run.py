@@ -72,6 +72,7 @@ from fxpar.io.evaluate import Validation, check_output, open_validation, output_
 from fxpar.io.program import _LAUNCHER_VARS, RankProgram
 from fxpar.io.samples import describe, open_source
 from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
+from fxpar.runtime.guard import NONFINITE_ENV
 
 # (dest, flag, default) of the plan flags: defaults are applied after parsing, so a saved
 # program can tell which plan flags were given (they are an error there: its plan is fixed).
@@ -410,6 +411,8 @@ def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
     USER_ERRORS before any communication."""
     if a.watchdog is not None:
         watchdog.set_watchdog(a.watchdog)
+    if a.nonfinite is not None:  # read by each rank program (fxpar.runtime.guard)
+        os.environ[NONFINITE_ENV] = a.nonfinite
     if a.log_every is not None and a.log_every < 1:
         raise ValueError("--log-every must be >= 1")
     if a.checkpoint_every is not None and (a.checkpoint is None or a.checkpoint_every < 1):
