@@ -31,11 +31,13 @@ from errors_triggers import (
     cnn,
     conv_then,
     cuda_aware,
+    damaged_checkpoint,
     device_index,
     device_no_cuda,
     failing_loss,
     foreign_manifest,
     images,
+    manifest_not_json,
     meta_model,
     mixed_dtypes,
     moved_after_step,
@@ -43,6 +45,7 @@ from errors_triggers import (
     no_dot,
     no_graphviz_package,
     pass_bug,
+    peer_cannot_load,
     rank_failed,
     run_inspect,
     run_setup,
@@ -54,6 +57,7 @@ from errors_triggers import (
     small_tag_ub,
     too_many_tags,
     torn_checkpoint,
+    unchecked_unreadable,
     version_missing,
     watchdog_env,
     watchdog_fired,
@@ -429,7 +433,8 @@ CATALOGUE: list[Entry] = [
           lambda: ckpt.read_manifest(foreign_manifest("ckpt", "checkpoint.json",
                                                        {"format": "other", "version": 0}))),
     Entry("checkpoint-other-job", "checkpoint", "resuming with another model, plan or world "
-          "size", CheckpointError, r"was saved by another job",
+          "size", CheckpointError,
+          r"was saved by another job: (it has \d+ ranks|its plan|it is of another model \(its)",
           "Resume with the same model and plan, or change plans through the single-device "
           "form (fxpar.io.checkpoint.export, then rank_program.load_state_dict).",
           lambda: ckpt.load(saved_checkpoint() and build(Plan(microbatches=2)).local(), "ckpt")),
@@ -449,6 +454,39 @@ CATALOGUE: list[Entry] = [
           "Load another version (save each step into its own version: fxpar.io.checkpoint.save "
           "does so by itself).",
           torn_checkpoint),
+    Entry("checkpoint-other-shapes", "checkpoint", "resuming with a model of the same keys but "
+          "other shapes (another width, another number of classes)", CheckpointError,
+          r"was saved by another job: it is of another model \(tensors of other shapes",
+          "Resume with the model that saved the checkpoint (the message names each tensor whose "
+          "shape differs).",
+          lambda: ckpt.load(saved_checkpoint() and build(model=cnn(1), shape=(4, 1, 8, 8))
+                            .local(), "ckpt")),
+    Entry("checkpoint-shard-cut", "checkpoint", "a shard is shorter or longer than when it was "
+          "saved (a full disk, a copy that did not finish)", CheckpointError,
+          r"^\S+ is damaged: it has \d+ bytes where checkpoint\.json recorded",
+          "Load a version the message lists (`fxpar-checkpoint verify DIR/step-NNNNNNNN` checks "
+          "one first); find out what cut the file.",
+          lambda: ckpt.load(damaged_checkpoint(), "ckpt")),
+    Entry("checkpoint-shard-changed", "checkpoint", "a shard's bytes changed after the save (a "
+          "disk or file system fault)", CheckpointError, r"^\S+ is damaged: its sha256 is",
+          "Load a version the message lists (verify it first); check the storage.",
+          lambda: ckpt.load(damaged_checkpoint("flip"), "ckpt")),
+    Entry("checkpoint-shard-unreadable", "checkpoint", "torch.load cannot read a shard of a "
+          "checkpoint saved before fxpar recorded checksums", CheckpointError,
+          r"cannot be read by torch\.load", "Load another version (the message lists them).",
+          unchecked_unreadable),
+    Entry("checkpoint-manifest-json", "checkpoint", "a version's checkpoint.json is not JSON",
+          CheckpointError, r"is not valid JSON .*the manifest was damaged",
+          "Load another version (the message lists them).", manifest_not_json),
+    Entry("checkpoint-peer-cannot-load", "checkpoint", "resuming when some rank cannot load the "
+          "checkpoint (a damaged or missing shard)", CheckpointError,
+          r"not loaded on any rank: ",
+          "Act on what the message says of the ranks it names: every rank refused, so that "
+          "none trains alone.", peer_cannot_load),
+    Entry("checkpoint-verify", "checkpoint", "fxpar-checkpoint verify (checkpoint.verify) finds "
+          "a damaged or missing shard", CheckpointError, r"shards? of \S+ failed the check",
+          "Load a version the message lists instead.",
+          lambda: damaged_checkpoint() and ckpt.verify("ckpt")),
     Entry("checkpoint-optimizer", "checkpoint", "resuming with or without an optimizer, unlike "
           "the job that saved", CheckpointError, r"an optimizer, this program has",
           "Compile with the same optimizer= as the job that saved the checkpoint.",

@@ -163,6 +163,50 @@ def foreign_manifest(folder: str, name: str, text: dict[str, Any]) -> str:
     return folder
 
 
+def damaged_checkpoint(how: str = "truncate") -> fxpar.RankProgram:
+    """Steps 3 and 4 saved in ckpt/, step 4 with its shard damaged by FXPAR_FAULT."""
+    rp = saved_checkpoint()
+    with mock.patch.dict(os.environ, {"FXPAR_FAULT": f"0:4:corrupt-checkpoint:{how}"}):
+        ckpt.save(rp, "ckpt", step=4)
+    return rp
+
+
+def unchecked_unreadable() -> None:
+    """A checkpoint saved before checksums, whose shard was cut short."""
+    rp = saved_checkpoint()
+    version = ckpt.resolve("ckpt")
+    manifest = json.loads((version / ckpt.MANIFEST).read_text())
+    for entry in manifest["ranks"]:
+        del entry["size"], entry["sha256"]
+    (version / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    shard = version / ckpt.shard_name(0)
+    shard.write_bytes(shard.read_bytes()[:200])
+    ckpt.load(rp, "ckpt")
+
+
+def manifest_not_json() -> None:
+    ckpt.save(saved_checkpoint(), "ckpt", step=4)
+    Path("ckpt", "step-00000004", ckpt.MANIFEST).write_text('{"format": "fxpar-checkpoint", ')
+    ckpt.read_manifest("ckpt")
+
+
+class PeerLoads(FakeComm):
+    """Rank 0 of two, whose peer could load: allgather gives [this rank's object, None]."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+
+    def allgather_object(self, obj: object) -> list[object]:
+        return [obj, None]
+
+
+def peer_cannot_load() -> None:
+    """What every rank raises when one rank's shard is damaged (here rank 0's)."""
+    rp = damaged_checkpoint()
+    rp.comm = PeerLoads()  # type: ignore[assignment]
+    ckpt.load(rp, "ckpt")
+
+
 def device_no_cuda() -> None:
     from fxpar.comm.device import bind
 

@@ -5,11 +5,14 @@ checkpoint_cases.py and meta_cases.py, run by tests/test_programs.py.)"""
 
 import copy
 import errno
+import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from torch import nn
 
 import fxpar
 from fxpar.cli.checkpoint import main as checkpoint_cli
-from fxpar.io import checkpoint
+from fxpar.io import checkpoint, integrity
 from fxpar.io.checkpoint import CheckpointError
 from fxpar.runtime.materialize import MaterializeError, materialize, materialize_model, module_seed
 
@@ -93,8 +96,11 @@ def test_save_writes_a_version_folder_then_points_latest_at_it(saved):
     assert manifest["extra"] == {"epoch": 3}
     assert manifest["names"] == list(rp.program.names)
     assert manifest["parameters"] == [n for n, _ in rp.named_parameters()]
+    shard = (folder / "step-00000001" / "rank00000.pt").read_bytes()
     assert manifest["ranks"] == [{"rank": 0, "file": "rank00000.pt",
-                                  "roles": [{"dp": 0, "copy": 0, "stage": 0, "tile": 0}]}]
+                                  "roles": [{"dp": 0, "copy": 0, "stage": 0, "tile": 0}],
+                                  "size": len(shard),
+                                  "sha256": hashlib.sha256(shard).hexdigest()}]
 
 
 def test_load_restores_in_place_and_returns_the_step(saved):
@@ -147,12 +153,12 @@ def test_a_failed_shard_write_raises_and_leaves_the_previous_version(saved, monk
     folder, rp, want = saved
     rp.train_step(*batch(2))
 
-    def full_disk(obj, path):
+    def full_disk(path, data):
         with open(path, "wb") as f:
-            f.write(b"PK\x03\x04")
+            f.write(data[:4])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(checkpoint, "_write_bytes", full_disk)
     with pytest.raises(CheckpointError, match=r"(?s)step 2 not saved: rank 0 could not write "
                        r".*step-00000002/rank00000.pt.*No space.*latest still names "
                        r"step-00000001"):
@@ -263,6 +269,197 @@ def test_save_without_a_communicator_on_a_multi_rank_plan_is_refused(tmp_path):
     program = fxpar.compile(tiny().double(), fxpar.Plan(stages=2), SHAPE)
     with pytest.raises(CheckpointError, match="collective"):
         checkpoint.save(program.for_rank(0), tmp_path, step=0)
+
+
+# -- checksums, damaged shards, the corrupt-checkpoint fault --------------------------------------
+def save_damaged(folder, rp, monkeypatch, how="", step=2, **kw):
+    """Save ``step`` with this rank's shard damaged by FXPAR_FAULT (``how``: truncate / flip /
+    "" for the default); returns (the shard's path, its size as written)."""
+    monkeypatch.setenv("FXPAR_FAULT", f"0:{step}:corrupt-checkpoint" + (f":{how}" if how else ""))
+    version = checkpoint.save(rp, folder, step=step, **kw)  # succeeds: the damage is silent
+    monkeypatch.delenv("FXPAR_FAULT")
+    entry = json.loads((version / "checkpoint.json").read_text())["ranks"][0]
+    return version / "rank00000.pt", entry["size"]
+
+
+def test_a_truncated_shard_is_refused_with_the_sizes_and_the_version_to_load(saved, monkeypatch):
+    folder, rp, want = saved
+    rp.train_step(*batch(2))
+    shard, size = save_damaged(folder, rp, monkeypatch)
+    assert shard.stat().st_size == size // 2
+    fresh, _ = one_rank(seed=5)
+    fresh.train_step(*batch(3))  # momentum buffers exist and differ
+    before = state(fresh)
+    good = folder / "step-00000001"
+    pattern = (rf"^{re.escape(str(shard))} is damaged: it has {size // 2} bytes where "
+               rf"checkpoint.json recorded {size}: cut short .*Versions still kept in "
+               rf"{re.escape(str(folder))}: step-00000001; load one instead, e\.g\. "
+               rf"fxpar\.io\.checkpoint\.load\(rp, '{re.escape(str(good))}'\)")
+    with pytest.raises(CheckpointError, match=pattern):
+        checkpoint.load(fresh, folder)
+    assert_state(fresh, before)  # nothing was copied in
+    with pytest.raises(CheckpointError, match=pattern):
+        checkpoint.export(folder)
+    assert checkpoint.load(fresh, good) == 1
+    assert_state(fresh, want)
+
+
+def test_one_flipped_byte_is_caught_by_the_checksum_alone(saved, monkeypatch):
+    folder, rp, _ = saved
+    rp.train_step(*batch(2))
+    written = state(rp)
+    shard, size = save_damaged(folder, rp, monkeypatch, "flip")
+    fresh, _ = one_rank(seed=5)
+    with pytest.raises(CheckpointError, match=rf"^\S+rank00000.pt is damaged: its sha256 is "
+                       rf"[0-9a-f]{{64}} where checkpoint.json recorded [0-9a-f]{{64}} \(both "
+                       rf"{size} bytes: its contents changed after the save"):
+        checkpoint.load(fresh, folder)
+    # without the checksum (a checkpoint saved before them) torch loads the changed byte silently
+    path = shard.parent / "checkpoint.json"
+    manifest = json.loads(path.read_text())
+    for entry in manifest["ranks"]:
+        del entry["size"], entry["sha256"]
+    path.write_text(json.dumps(manifest))
+    assert checkpoint.load(fresh, folder) == 2
+    differ = [k for (k, a), (_, b) in zip(state(fresh), written, strict=True)
+              if not torch.equal(a, b)]
+    assert len(differ) == 1, differ
+
+
+def test_a_fault_for_another_rank_or_step_leaves_the_save_alone(saved, monkeypatch):
+    folder, rp, _ = saved
+    monkeypatch.setenv("FXPAR_FAULT", "1:2:corrupt-checkpoint,0:3:corrupt-checkpoint:flip")
+    checkpoint.save(rp, folder, step=2)
+    assert checkpoint.verify(folder) == folder / "step-00000002"
+    monkeypatch.setenv("FXPAR_FAULT", "0:2:corrupt-checkpoint:shred")
+    with pytest.raises(fxpar.PlanError, match="ARG of corrupt-checkpoint is truncate or flip"):
+        checkpoint.save(rp, folder, step=2)
+
+
+def test_damage_truncates_to_half_or_inverts_the_middle_byte(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(10)))
+    integrity.damage(path, "flip")
+    assert path.read_bytes() == bytes([0, 1, 2, 3, 4, 5 ^ 0xFF, 6, 7, 8, 9])
+    integrity.damage(path)
+    assert path.read_bytes() == bytes([0, 1, 2, 3, 4])
+    with pytest.raises(ValueError, match="truncate, flip"):
+        integrity.damage(path, "zero")
+
+
+def test_a_manifest_that_is_not_json_is_named_with_the_versions_kept(saved):
+    folder, rp, _ = saved
+    checkpoint.save(rp, folder, step=2)
+    manifest = folder / "step-00000002" / "checkpoint.json"
+    manifest.write_text('{"format": "fxpar-checkpoint", "step"')
+    match = (rf"^{re.escape(str(manifest))} is not valid JSON \(.*\): the manifest was "
+             rf"damaged after the save\. Versions still kept in \S+: step-00000001;")
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load(rp, folder)
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.read_manifest(folder)
+
+
+def test_a_checkpoint_saved_before_checksums_loads_unchecked(saved, capsys):
+    folder, _, want = saved
+    path = folder / "step-00000001" / "checkpoint.json"
+    manifest = json.loads(path.read_text())
+    for entry in manifest["ranks"]:
+        del entry["size"], entry["sha256"]
+    path.write_text(json.dumps(manifest))
+    fresh, _ = one_rank(seed=5)
+    assert checkpoint.load(fresh, folder) == 1
+    assert_state(fresh, want)
+    assert checkpoint_cli(["verify", str(folder)]) == 0
+    assert "rank00000.pt: readable, " in capsys.readouterr().out
+    shard = folder / "step-00000001" / "rank00000.pt"
+    shard.write_bytes(shard.read_bytes()[:100])  # unchecked, but torch.load still fails
+    with pytest.raises(CheckpointError, match=r"rank00000.pt cannot be read by torch.load \("
+                       r".*No other complete version is kept in"):
+        checkpoint.load(fresh, folder)
+    assert checkpoint_cli(["verify", str(folder)]) == 1
+    assert "rank00000.pt: DAMAGED: torch.load fails (" in capsys.readouterr().out
+
+
+def test_verify_command_prints_each_shard_and_exits_1_naming_the_damaged(saved, monkeypatch,
+                                                                          capsys):
+    folder, rp, _ = saved
+    shard, size = save_damaged(folder, rp, monkeypatch)
+    assert checkpoint_cli(["verify", str(folder)]) == 1
+    out, err = capsys.readouterr()
+    version = folder / "step-00000002"
+    assert out.splitlines() == [
+        f"{version}: step 2, 1 shard",
+        f"  rank00000.pt: DAMAGED: it has {size // 2} bytes where checkpoint.json recorded "
+        f"{size}: cut short (a full disk, a copy that did not finish, a file system fault)"]
+    assert err.startswith(f"fxpar-checkpoint: 1 of 1 shards of {version} failed the check: "
+                          f"rank00000.pt. Versions still kept in {folder}: step-00000001; "), err
+    good = folder / "step-00000001" / "rank00000.pt"
+    assert checkpoint_cli(["verify", str(good.parent)]) == 0
+    digest = hashlib.sha256(good.read_bytes()).hexdigest()
+    assert capsys.readouterr().out.splitlines() == [
+        f"{good.parent}: step 1, 1 shard",
+        f"  rank00000.pt: ok, {good.stat().st_size} bytes, sha256 {digest}",
+        "all 1 shard intact"]
+    shard.unlink()
+    assert checkpoint_cli(["verify", str(folder)]) == 1
+    assert "  rank00000.pt: MISSING" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match=r"1 of 1 shards of \S+ failed the check: "
+                                              r"rank00000.pt \(missing\)"):
+        checkpoint.verify(folder)
+
+
+def test_load_of_a_model_with_other_shapes_names_them(saved):
+    folder, _, _ = saved
+    wider = nn.Sequential(*list(tiny())[:-1], nn.Linear(4, 5)).double()  # the same keys
+    rp, _ = one_rank(model=wider)
+    rp.train_step(*batch(3))
+    before = state(rp)
+    with pytest.raises(CheckpointError, match=re.escape(
+            "was saved by another job: it is of another model (tensors of other shapes: "
+            "8.weight (3, 4) saved, (5, 4) now, 8.bias (3,) saved, (5,) now). Resume with the "
+            "same model and plan")):
+        checkpoint.load(rp, folder)
+    assert_state(rp, before)
+
+
+class Peers:
+    """A communicator whose allgather returns this rank's outcome among the peers' ``said``."""
+
+    def __init__(self, said, rank=0):
+        self.said, self.rank, self.size = said, rank, len(said) + 1
+
+    def allgather_object(self, obj):
+        return [*self.said[:self.rank], obj, *self.said[self.rank:]]
+
+
+def test_load_agrees_every_rank_raises_when_any_cannot(saved, monkeypatch):
+    folder, _, want = saved
+    fresh, _ = one_rank(seed=5)
+    fresh.train_step(*batch(3))  # momentum buffers exist and differ
+    before = state(fresh)
+    fresh.comm = Peers(["ckpt/step-00000001/rank00001.pt is missing: ..."])  # rank 1 failed
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"checkpoint {folder} not loaded on any rank: rank 1 cannot load it, and no rank may "
+            f"go on from a checkpoint that another could not read. rank 1: ckpt/step-00000001/"
+            f"rank00001.pt is missing: ...")):
+        checkpoint.load(fresh, folder)
+    assert_state(fresh, before)  # this rank's shard was fine, and still nothing was copied in
+    fresh.comm = Peers([None])
+    assert checkpoint.load(fresh, folder) == 1
+    assert_state(fresh, want)
+
+    rp = SimpleNamespace(rank=0, comm=None)
+    for said, message in [(["A", "A", "A"], "A"),  # alike on every rank: as it is
+                          (["A", "B", "A"], "not loaded on any rank: ranks 0, 1, 2 cannot "
+                           "load it, and no rank may go on from a checkpoint that another could "
+                           "not read. ranks 0, 2: A; rank 1: B")]:
+        rp.comm = Peers(said[1:])
+        with pytest.raises(CheckpointError) as e:
+            checkpoint._agree(rp, "ckpt", said[0])
+        assert str(e.value).endswith(message)
+    rp.comm = Peers([None, None])
+    checkpoint._agree(rp, "ckpt", None)
 
 
 # -- export ---------------------------------------------------------------------------------
