@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import errors_reliability as rel
 import torch
 import torch.nn.functional as F
 from errors_triggers import (
@@ -59,7 +60,6 @@ from errors_triggers import (
     torn_checkpoint,
     unchecked_unreadable,
     version_missing,
-    watchdog_env,
     watchdog_fired,
 )
 from torch import nn
@@ -76,6 +76,7 @@ from fxpar.compiler.draw import DotMissing, ExtraMissing
 from fxpar.compiler.passdriver import PassError
 from fxpar.compiler.profile import Profile, ProfileError
 from fxpar.compiler.receptive import ReachError, reach_model
+from fxpar.core.faults import FaultSpecError
 from fxpar.io import checkpoint as ckpt
 from fxpar.io import images as fxpar_images
 from fxpar.io.checkpoint import CheckpointError
@@ -83,6 +84,7 @@ from fxpar.io.data import DataError, FolderBatches, ImageFolder
 from fxpar.io.metrics import MetricsError
 from fxpar.models import zoo
 from fxpar.models.zoo import ModelSpecError
+from fxpar.runtime.guard import NonFiniteError, ProgramFailed
 from fxpar.runtime.loop import ActionFailed
 from fxpar.runtime.materialize import MaterializeError
 from fxpar.testing import load_case
@@ -747,9 +749,33 @@ CATALOGUE: list[Entry] = [
           r"fxpar watchdog: rank \d+ waited",
           "Look at the rank named for the peer that is stuck or dead; if the step can really "
           "wait that long, raise the limit.", text=watchdog_fired),
-    Entry("runtime-watchdog-setting", "runtime", "FXPAR_WATCHDOG is not a number",
-          ValueError, r"FXPAR_WATCHDOG=.*give the seconds",
-          "Give the seconds a communication call may wait, or 0.", watchdog_env),
+    Entry("runtime-watchdog-setting", "runtime", "FXPAR_WATCHDOG is not auto or a number",
+          ValueError, r"FXPAR_WATCHDOG=.*give auto",
+          "Give auto, auto:FLOOR, the seconds a communication call may wait, or 0.",
+          rel.bad_watchdog_setting),
+    Entry("runtime-left-failed", "runtime", "a script catches a failed step and exits (or "
+          "closes the program)", None, r"is leaving with a failed program",
+          "Nothing to do for the hang: the job ends. Fix the error named; resume from the "
+          "last checkpoint in a new job.", text=rel.left_failed),
+    Entry("runtime-peer-left", "runtime", "a rank's process exits while the others train on "
+          "(fewer steps on one rank)", None, r"left the job \(its process exited\)",
+          "Run the same number of steps on every rank; a rank that must stop early must end "
+          "the job (raise, or sys.exit after a failed step).", text=rel.peer_left),
+    Entry("runtime-nonfinite", "runtime", "a NaN or inf in a step's loss, gradients or "
+          "buffers on some rank", NonFiniteError, r"NaN or inf values \(rank",
+          "Find the cause (learning rate, input data, a layer's numerics), or set "
+          "FXPAR_NONFINITE=skip to drop such steps on every rank.", rel.nan_batch),
+    Entry("runtime-nonfinite-setting", "runtime", "FXPAR_NONFINITE is not stop, skip or off",
+          PlanError, r"FXPAR_NONFINITE=.*use stop", "Use stop, skip or off.",
+          rel.bad_nonfinite_setting),
+    Entry("runtime-program-failed", "runtime", "train_step again after a step failed",
+          ProgramFailed, r"program failed earlier",
+          "End the job and resume from a checkpoint: a failed step cannot be retried, its "
+          "peers are still in it.", rel.train_after_failure),
+    Entry("runtime-fault-spec", "runtime", "FXPAR_FAULT does not parse", FaultSpecError,
+          r"FXPAR_FAULT=.*Write RANK:STEP:KIND",
+          "Write RANK:STEP:KIND[:ARG] (kinds: raise, caught-raise, sigkill, stall, nan-loss, "
+          "slow-rank, corrupt-checkpoint), or unset it.", rel.bad_fault_spec),
     Entry("runtime-disagree", "runtime", "the ranks compiled different programs (another "
           "plan, seed, script or version on some rank)", failfast.Disagreement,
           r"the ranks compiled different programs",
@@ -772,6 +798,8 @@ INTERNAL = {
                 "analyses a larger probe (a model whose margins pass 16384 cells gets it)",
     "ScheduleError": "the schedule checks (compiler.simulate, compiler.lower): a bug in fxpar",
     "PictureError": "the base class of DotMissing and ExtraMissing (each has its entry)",
+    "InjectedFault": "raised only when FXPAR_FAULT asks for it (a rehearsal); users meet it "
+                     "wrapped in ActionFailed, whose entry covers it",
     "SavedOnly": "not an error: fxpar-run --save-program outside mpiexec ends after saving",
 }
 """Error classes defined in fxpar/ or passes/ that users do not meet as such, and why."""

@@ -18,7 +18,7 @@ from torch import nn
 
 import fxpar
 from fxpar import Plan
-from fxpar.comm import failfast
+from fxpar.comm import failfast, watchdog
 from fxpar.compiler.passdriver import run_passes
 from fxpar.io import checkpoint as ckpt
 
@@ -309,18 +309,13 @@ def agree(everyone: list[Said]) -> None:
     failfast.agree(Gathering(everyone), everyone[0][0], everyone[0][1])
 
 
-def watchdog_env() -> None:
-    with mock.patch.dict(os.environ, {failfast.WATCHDOG_ENV: "ten minutes"}):
-        failfast.configure()
-
-
 def rank_failed() -> str:
     return (failfast.failure_banner(2, 4) + "\nTraceback (most recent call last):\n  File "
             "\"train.py\", line 12, in <module>\n    ...\nValueError: my loss needs float targets")
 
 
 def watchdog_fired() -> str:
-    return failfast.watchdog_message(3, 600, "receive of (2, 64, 32, 32) float32 from rank 1 "
+    return watchdog.watchdog_message(3, 600, "receive of (2, 64, 32, 32) float32 from rank 1 "
                                      "(tag 14)", " (while running action 1RECV_F0)")
 
 

@@ -249,6 +249,13 @@ class Comm:
     def size(self) -> int:
         return int(self._c.Get_size())
 
+    def world_ranks(self) -> tuple[int, ...]:
+        """The world rank of each member, in this communicator's order."""
+        mpi = _mpi()
+        ranks = mpi.Group.Translate_ranks(self._c.Get_group(), list(range(self.size)),
+                                          mpi.COMM_WORLD.Get_group())
+        return tuple(int(r) for r in ranks)
+
     @property
     def tag_ub(self) -> int:
         """The largest message tag this MPI accepts (its ``MPI_TAG_UB`` attribute)."""

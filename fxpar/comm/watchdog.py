@@ -148,6 +148,8 @@ class Watchdog:
         """Renders the schedule grid with each rank's action (rank -> index) marked."""
         self.left: dict[int, int] = {}
         """Peers whose process exited -> the steps they completed."""
+        self.members: frozenset[int] | None = None
+        """The world ranks the current step needs (None: all); a rank outside it may leave."""
         self._action_since = time.monotonic()
         self._since: float | None = None
         self._what: Callable[[], str] | None = None
@@ -161,8 +163,10 @@ class Watchdog:
     def doing(self, action: object, index: int | None = None) -> None:
         self.action, self.index, self._action_since = str(action), index, time.monotonic()
 
-    def step_began(self, step: int) -> None:
+    def step_began(self, step: int, members: frozenset[int] | None = None) -> None:
+        """A training step begins; ``members``: the world ranks it needs (None: all)."""
         self.step, self.in_step, self.action, self.index = step, True, "", None
+        self.members = members
         self._action_since = time.monotonic()
         self._check_left()
 
@@ -231,7 +235,9 @@ class Watchdog:
             self.left[status.Get_source()] = ch.recv(source=status.Get_source(), tag=LEFT)
 
     def _check_left(self) -> None:
-        behind = {p: n for p, n in self.left.items() if n < self.step and self.in_step}
+        members = self.members
+        behind = {p: n for p, n in self.left.items() if n < self.step and self.in_step
+                  and (members is None or p in members)}
         if behind:
             peer = min(behind)
             self._fire(left_message(self.rank(), peer, behind[peer], self.step))

@@ -17,8 +17,8 @@ corrupt-checkpoint  the checkpoint saved at STEP gets this rank's shard damaged 
                     written (ARG: ``truncate``, the default, or ``flip``: one byte changed)
 ==================  =============================================================================
 
-The runtime (``RankProgram.train_step``) and the checkpoint code (``fxpar.io.checkpoint.save``)
-read the variable when a rank program is made; nothing else does.
+The runtime reads the variable when a rank program is made (``RankProgram.train_step`` honours
+it), the checkpoint code at each ``fxpar.io.checkpoint.save``; nothing else does.
 """
 
 from __future__ import annotations

@@ -113,6 +113,7 @@ class StepGuard:
     _saved: list[torch.Tensor] | None = field(default=None, init=False)
     _bad: dict[int, int] = field(default_factory=dict, init=False)
     _start: float = field(default=0.0, init=False)
+    _world: frozenset[int] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         nonfinite_policy(self.policy)
@@ -127,7 +128,7 @@ class StepGuard:
         step = self.steps + 1
         dog = watchdog.current()
         if dog is not None:
-            dog.step_began(step)
+            dog.step_began(step, self._members())
         self._bad = {}
         self._saved = [b.detach().clone() for b in self.buffers()] \
             if self.policy != "off" else None
@@ -147,6 +148,15 @@ class StepGuard:
             self.comm.allreduce(flags)  # type: ignore[union-attr]
         self._bad = {r: int(f) for r, f in enumerate(flags.tolist()) if f}
         return not self._bad
+
+    def _members(self) -> frozenset[int] | None:
+        """The world ranks of this program's communicator (None: unknown, every rank)."""
+        ranks = getattr(self.comm, "world_ranks", None)
+        if ranks is None:
+            return None
+        if self._world is None:
+            self._world = frozenset(ranks())
+        return self._world
 
     def end(self, step: int) -> None:
         """After the step's actions ran: undo a non-finite step (raising under "stop")."""
