@@ -433,6 +433,7 @@ def load(rp: RankProgram, folder: str | os.PathLike[str]) -> int:
     torch.set_rng_state(shard["rng"])
     if rp.loss_scale is not None and shard.get("loss_scale") is not None:
         rp.loss_scale = LossScale(**shard["loss_scale"])  # fp16: the scale goes on as it was
+    rp.guard.steps = int(shard["step"])  # step numbers go on (FXPAR_FAULT, messages)
     return int(shard["step"])
 
 
