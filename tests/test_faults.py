@@ -24,9 +24,9 @@ from fxpar.testing import mpiexec
 JOBS = Path(__file__).parent / "cases" / "jobs.py"
 TIMEOUT = 150.0
 """Seconds before the harness kills a launch; a job that ends by itself takes far less."""
-BOUND = 60.0
+BOUND = 90.0
 """A failing job must have ended within this many seconds of its launch (imports included,
-several launches sharing 2 cores)."""
+four launches of 2-3 ranks sharing 2 cores: about 40-55 s each; alone about 10 s)."""
 CLI = (f"{JOBS}:classifier --image-size 16 --batch-size 8 --steps 2 --stages 2 --parts 2 "
        f"--num-classes 4")
 
