@@ -40,6 +40,8 @@ from typing import Any
 from fxpar.core.plan import PlanError
 
 FAILFAST_ENV = "FXPAR_FAILFAST"
+END_GRACE = 0.5
+"""Seconds between printing why the job ends and MPI_Abort."""
 # Environment variables an MPI launcher sets in every rank (MPICH/Hydra, Open MPI, Slurm).
 LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
@@ -134,8 +136,11 @@ def say(text: str) -> None:
 
 
 def end(code: int = 1) -> None:
-    """End every rank of the job now."""
+    """End every rank of the job now (after a moment for the launcher to forward what this
+    rank printed: an abort can otherwise cut it off)."""
     sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(END_GRACE)
     (_abort or _world_abort)(code)
     os._exit(code)  # MPI_Abort can return when every peer has already exited
 
@@ -153,9 +158,9 @@ def _rank_size() -> tuple[int, int]:
 
 
 def fail(exc: BaseException) -> None:
-    """End the whole job because of ``exc`` on this rank (prints its traceback once)."""
-    rank, size = _rank_size()
-    _end_job(rank, size, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    """End the whole job because of ``exc`` on this rank (prints its traceback once; an error
+    raised on every rank alike is printed by rank 0 only)."""
+    _hook(type(exc), exc, exc.__traceback__)
 
 
 def _hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:

@@ -43,6 +43,8 @@ START = 1800.0
 FACTOR = 10.0
 ANSWER_SECONDS = 3.0
 """How long a firing watchdog waits for the other ranks to say where they are."""
+DEFER_SECONDS = 10.0
+"""How long a firing watchdog stays quiet when a lower rank's is reporting too."""
 ASK, STATE, LEFT = 101, 102, 103  # tags on the watchdog's own communicator
 
 
@@ -158,6 +160,10 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._fired = threading.Lock()
+        self._talk = threading.RLock()
+        """Held for every use of the channel (the thread and a firing main thread)."""
+        self._askers: set[int] = set()
+        """Ranks that asked where this one is: their watchdogs are reporting."""
 
     # -- what the runtime tells it --------------------------------------------------------------
     def doing(self, action: object, index: int | None = None) -> None:
@@ -228,11 +234,14 @@ class Watchdog:
             return
         mpi = failfast.mpi()
         status = mpi.Status()
-        while ch.iprobe(source=mpi.ANY_SOURCE, tag=ASK, status=status):
-            ch.recv(source=status.Get_source(), tag=ASK)
-            ch.send(self.position(), dest=status.Get_source(), tag=STATE)
-        while ch.iprobe(source=mpi.ANY_SOURCE, tag=LEFT, status=status):
-            self.left[status.Get_source()] = ch.recv(source=status.Get_source(), tag=LEFT)
+        with self._talk:
+            while ch.iprobe(source=mpi.ANY_SOURCE, tag=ASK, status=status):
+                asker = status.Get_source()
+                ch.recv(source=asker, tag=ASK)
+                ch.send(self.position(), dest=asker, tag=STATE)
+                self._askers.add(asker)
+            while ch.iprobe(source=mpi.ANY_SOURCE, tag=LEFT, status=status):
+                self.left[status.Get_source()] = ch.recv(source=status.Get_source(), tag=LEFT)
 
     def _check_left(self) -> None:
         members = self.members
@@ -258,15 +267,18 @@ class Watchdog:
             return out
         mpi = failfast.mpi()
         peers = [r for r in range(ch.Get_size()) if r != me]
-        asks = [ch.isend(me, dest=r, tag=ASK) for r in peers]
+        with self._talk:
+            asks = [ch.isend(me, dest=r, tag=ASK) for r in peers]
         out.update({r: None for r in peers})
         status = mpi.Status()
         deadline = time.monotonic() + ANSWER_SECONDS
         while any(out[r] is None for r in peers) and time.monotonic() < deadline:
             self._serve()  # a peer firing at the same time asks us too
-            if ch.iprobe(source=mpi.ANY_SOURCE, tag=STATE, status=status):
-                out[status.Get_source()] = ch.recv(source=status.Get_source(), tag=STATE)
-            else:
+            with self._talk:
+                got = ch.iprobe(source=mpi.ANY_SOURCE, tag=STATE, status=status)
+                if got:
+                    out[status.Get_source()] = ch.recv(source=status.Get_source(), tag=STATE)
+            if not got:
                 time.sleep(0.01)
         del asks  # never waited for: the job ends next
         return out
@@ -292,7 +304,13 @@ class Watchdog:
             text = f"{headline}\n{self.report()}"
         except Exception as e:  # noqa: BLE001 - the report must never keep the job alive
             text = f"{headline}\n(where the other ranks are could not be asked: {e})"
-        failfast.say(text)
+        if any(r < self.rank() for r in self._askers):
+            # a lower rank's watchdog fired too and is reporting: let it speak for the job
+            deadline = time.monotonic() + DEFER_SECONDS
+            while time.monotonic() < deadline:
+                self._serve()
+                time.sleep(0.05)
+        failfast.say(text)  # still here: speak after all
         failfast.end(1)
 
     def leave(self) -> None:
