@@ -109,13 +109,17 @@ def train(rp: RankProgram, batches: Callable[[int], Batch], args: argparse.Names
         t = time.perf_counter()
         x, y = batches(step)
         data_s = time.perf_counter() - t
+        skipped = rp.guard.skipped
         loss, took = rec.step(x, y)
         n = step + 1
-        if rp.rank == 0 and (n % every == 0 or n == args.steps or n == start_step + 1):
+        dropped = rp.guard.skipped > skipped  # --nonfinite skip: every rank dropped it
+        if rp.rank == 0 and (n % every == 0 or n == args.steps or n == start_step + 1
+                             or dropped):
             ls = rp.loss_scale
             scale = "" if ls is None else f"  loss scale {ls.scale:g} ({ls.skipped} skipped)"
+            skip = "  skipped: NaN/inf, undone on every rank" if dropped else ""
             print(f"step {n:>4}/{args.steps}  loss {loss:.6f}  {args.batch_size / took:8.2f} "
-                  f"img/s  ({took:.3f} s, data {data_s:.3f} s){scale}", flush=True)
+                  f"img/s  ({took:.3f} s, data {data_s:.3f} s){scale}{skip}", flush=True)
         if after_step is not None:
             after_step(n)
     return rec
@@ -129,6 +133,9 @@ def finish(job: Job, rec: Recorder, a: argparse.Namespace,
     if metrics is None:
         return None
     print(table(metrics))
+    if job.rp.guard.skipped:
+        print(f"skipped {job.rp.guard.skipped} step(s) with NaN/inf (--nonfinite skip): "
+              f"their batches did not train", flush=True)
     if a.metrics is not None:
         print(f"metrics: {write_metrics(a.metrics, metrics)}")
     if rec.steps:
