@@ -135,11 +135,26 @@ def say(text: str) -> None:
     sys.stderr.flush()
 
 
+_quiet: list[Callable[[], None]] = []
+"""Called before MPI_Abort: stop other threads' MPI calls (the watchdog's)."""
+
+
+def before_end(fn: Callable[[], None]) -> None:
+    """Call ``fn`` before this process aborts the job (fxpar.comm.watchdog stops its thread:
+    MPI_Abort while another thread polls MPI crashed the rank, exit 11)."""
+    _quiet.append(fn)
+
+
 def end(code: int = 1) -> None:
     """End every rank of the job now (after a moment for the launcher to forward what this
     rank printed: an abort can otherwise cut it off)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    for fn in _quiet:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001, S110 - nothing may keep the job alive
+            pass
     time.sleep(END_GRACE)
     (_abort or _world_abort)(code)
     os._exit(code)  # MPI_Abort can return when every peer has already exited

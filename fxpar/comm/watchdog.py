@@ -203,7 +203,14 @@ class Watchdog:
             return
         self._channel = channel
         atexit.register(self.leave)  # after mpi4py's: runs before MPI_Finalize
+        failfast.before_end(self.quiet)
         self._start()
+
+    def quiet(self) -> None:
+        """Stop the thread (unless it is the caller) and wait for it to leave MPI."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
 
     def _start(self) -> None:
         if self._thread is None:
@@ -317,9 +324,7 @@ class Watchdog:
         """At process exit: tell the peers how many steps this rank completed (unless its
         program failed: then fxpar.comm.failfast ends the job), then stop the thread, before
         MPI_Finalize."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2.0)
+        self.quiet()
         ch, self._channel = self._channel, None
         if ch is None or failfast.failure() is not None:
             return
