@@ -9,7 +9,8 @@ import sys
 import pytest
 from launch import TESTS, cases_in, check, launch
 
-pytestmark = pytest.mark.mpi
+# one launch of every library case (about 6 min under load on 2 cores): past the 600 s default
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(3000)]
 ALL, NAMES = cases_in("library_cases.py")
 sys.path.insert(0, str(TESTS / "cases"))
 from library_cases import ci_subset  # noqa: E402

@@ -11,7 +11,7 @@ import os
 import pytest
 from launch import cases_in, check, launch
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(1800)]  # one 8-rank launch, minutes
 ALL, NAMES = cases_in("volume_cases.py")
 
 
