@@ -29,11 +29,12 @@ SHAPE = (4, 3, 8, 8)
 KILLED = "Killed (signal 9)"  # what mpiexec (MPICH) prints when a rank dies of SIGKILL
 
 
-def _program() -> fxpar.Program:
+def _program(classes: int = 3) -> fxpar.Program:
+    """Also used by tests/test_checkpoint_faults.py (with ``classes``, another last layer)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
                           nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).double()
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, classes)).double()
     return fxpar.compile(model, PLAN, torch.empty(SHAPE, dtype=torch.float64, device="meta"),
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
 

@@ -21,41 +21,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-import fxpar
+# the model, the batches and the state they compare: the crash test's (tests/ is on the path
+# of the pytest process and, through run_cases(pythonpath=...), of the ranks)
+from test_checkpoint_crash import _batch, _program, _training_state
+
 from fxpar.cli.checkpoint import main as checkpoint_cli
 from fxpar.io import checkpoint
 from fxpar.io.checkpoint import CheckpointError
 from fxpar.testing import run_cases
 
-PLAN = fxpar.Plan(stages=2, microbatches=2)  # 2 ranks
-SHAPE = (4, 3, 8, 8)
 DIR = "FXPAR_CHECKPOINT_FAULTS_DIR"
-
-
-def _program(classes: int = 3) -> fxpar.Program:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-                          nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, classes)).double()
-    return fxpar.compile(model, PLAN, torch.empty(SHAPE, dtype=torch.float64, device="meta"),
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
-
-
-def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(SHAPE, dtype=torch.float64, generator=g),
-            torch.randint(0, 3, (SHAPE[0],), generator=g))
-
-
-def _training_state(rp) -> list[tuple[str, torch.Tensor]]:
-    """Parameters, buffers and momentum buffers of this rank, in a fixed order."""
-    out = [(f"stage {key} {k}", v.clone()) for key, m in sorted(rp.stages.items())
-           for k, v in m.state_dict().items()]
-    out += [(f"momentum of {n}", rp.optimizer.state[p]["momentum_buffer"].clone())
-            for n, p in rp.named_parameters()]
-    return out
 
 
 def _differences(got, want) -> list[str]:
@@ -142,7 +118,8 @@ def other_shapes_refused() -> None:
 @pytest.mark.mpi
 def test_a_damaged_shard_stops_every_rank_and_the_version_before_resumes(tmp_path, capsys):
     cases = [f"{__file__}::{name}" for name in ("damaged_then_resumed", "other_shapes_refused")]
-    results = run_cases(cases, n=2, timeout=120, env={DIR: str(tmp_path)})
+    results = run_cases(cases, n=2, timeout=120, env={DIR: str(tmp_path)},
+                        pythonpath=[Path(__file__).parent])
     for result in results.values():
         result.check()
     version = tmp_path / "ckpt" / "step-00000002"

@@ -162,7 +162,7 @@ def end(code: int = 1) -> None:
 
 def _end_job(rank: int, size: int, text: str) -> None:
     """Print ``text`` under the banner, then end every rank of the job."""
-    sys.stdout.flush()
+    sys.stdout.flush()  # what the rank printed first stays before the banner
     say(f"{failure_banner(rank, size)}\n{text}")
     end(1)
 
@@ -254,7 +254,7 @@ def mark_failed(what: str) -> None:
     if not _installed:
         return
     if _failure is None:
-        atexit.register(_leaving)  # after mpi4py's: runs before MPI_Finalize
+        atexit.register(end_failed)  # after mpi4py's: runs before MPI_Finalize
     _failure = what
 
 
@@ -271,10 +271,6 @@ def end_failed() -> None:
     say(left_failed_message(rank, size, _failure))
     end(1)
 
-
-def _leaving() -> None:
-    if _failure is not None and _installed:
-        end_failed()
 
 
 # -- start-up agreement ------------------------------------------------------------------------
