@@ -15,14 +15,17 @@ from torch import nn
 
 
 def reference_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-                   y: torch.Tensor, chunks: int = 1,
+                   y: torch.Tensor | tuple[torch.Tensor, ...], chunks: int = 1,
                    loss_fn: Callable = F.cross_entropy) -> float:
     """One optimizer step of plain PyTorch over ``chunks`` equal parts of the batch with
-    gradient accumulation (the contract's reference); returns the global mean loss."""
+    gradient accumulation (the contract's reference); returns the global mean loss. ``y``:
+    the targets, or a tuple of them (``loss_fn(output, *y)``: a target and a mask)."""
     opt.zero_grad(set_to_none=True)
     total = 0.0
-    for xc, yc in zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks), strict=True):
-        loss = loss_fn(model(xc), yc) / chunks
+    ys = [torch.tensor_split(t, chunks) for t in y] if isinstance(y, (tuple, list)) else \
+        [torch.tensor_split(y, chunks)]
+    for i, xc in enumerate(torch.tensor_split(x, chunks)):
+        loss = loss_fn(model(xc), *(part[i] for part in ys)) / chunks
         loss.backward()
         total += loss.item()
     opt.step()
@@ -169,9 +172,11 @@ def assert_buffers(state: dict[str, torch.Tensor], ref: nn.Module | dict[str, to
     reference's (a module, or its named buffers). With a module, every name in ``state`` must
     be one of its parameters or buffers, so a misnamed buffer fails instead of going
     uncompared."""
-    ref_buffers = dict(ref.named_buffers()) if isinstance(ref, nn.Module) else ref
+    # every name of a buffer, aliases included (a module held under two names)
+    ref_buffers = dict(ref.named_buffers(remove_duplicate=False)) \
+        if isinstance(ref, nn.Module) else ref
     if isinstance(ref, nn.Module):
-        known = set(ref_buffers) | {n for n, _ in ref.named_parameters()}
+        known = set(ref_buffers) | {n for n, _ in ref.named_parameters(remove_duplicate=False)}
         unknown = sorted(set(state) - known)
         assert not unknown, f"names not in the reference model: {unknown}"
     for name, b in state.items():

@@ -39,6 +39,11 @@ class Case:
     classes: int = 5
     segmentation: bool = False
     steps: int = 2
+    loss: Callable | None = None
+    """The loss both sides train with (default ``F.cross_entropy``)."""
+    targets: Callable[[torch.Generator], object] | None = None
+    """The global batch's targets from a generator (default: class labels, per pixel for
+    ``segmentation``); a tuple of tensors is passed to the loss as several arguments."""
 
 
 def sgd(params):
@@ -71,12 +76,16 @@ def check(case: Case, atol: float | None = None, rtol: float = RTOL64
     g = torch.Generator().manual_seed(1)
     x = torch.randn(case.shape, dtype=torch.float64, generator=g)
     n = case.shape[0]
-    if case.segmentation:
+    if case.targets is not None:
+        y = case.targets(g)
+    elif case.segmentation:
         y = torch.randint(0, case.classes, (n, *case.shape[2:]), generator=g)
     else:
         y = torch.randint(0, case.classes, (n,), generator=g)
+    loss_fn = case.loss or F.cross_entropy
     program = fxpar.compile(model, case.plan, torch.empty(case.shape, dtype=torch.float64,
-                                                          device="meta"), optimizer=sgd)
+                                                          device="meta"), optimizer=sgd,
+                            loss_fn=loss_fn)
     rp = program.local(comm)
     if DEVICE != "cpu":
         from fxpar.comm.device import bind
@@ -84,13 +93,14 @@ def check(case: Case, atol: float | None = None, rtol: float = RTOL64
         dev = bind(None, DEVICE)  # GPU by the launcher's node-local rank
         rp.to(dev)
         ref.to(dev)
-        x, y = x.to(dev), y.to(dev)
+        x = x.to(dev)
+        y = tuple(t.to(dev) for t in y) if isinstance(y, tuple) else y.to(dev)
     ref_opt = sgd(ref.parameters())
     ref_params = dict(ref.named_parameters())
     chunks = case.plan.chunks()
     for step in range(case.steps):
         loss = rp.train_step(x, y)
-        ref_loss = reference_step(ref, ref_opt, x, y, chunks, F.cross_entropy)
+        ref_loss = reference_step(ref, ref_opt, x, y, chunks, loss_fn)
         tol = (atol64(step) if atol is None else atol, rtol)
         assert_same(f"step {step} loss", loss, ref_loss, *tol)
         for name, p in rp.named_parameters():  # both GEMS copies, where a rank holds two

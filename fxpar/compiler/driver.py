@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fxpar.compiler.loss import LossFactory
 from fxpar.compiler.lower import check, lower
 from fxpar.compiler.memory import choose_recompute
 from fxpar.compiler.passdriver import HALO, run_passes
@@ -171,6 +172,7 @@ def compile(  # noqa: A001 - the public name the design fixes
     example_input: torch.Tensor | Sequence[int] | None = None,
     *,
     loss_fn: LossFn = F.cross_entropy,
+    target: Any = None,
     optimizer: OptimizerFactory | None = None,
     init: InitFn | None = None,
     seed: int = 0,
@@ -181,7 +183,15 @@ def compile(  # noqa: A001 - the public name the design fixes
     example_input: one global batch (real, ``meta`` or fake tensor, or just its shape); only
         shapes and dtypes are read, so a 16384x16384 image costs no memory here. Multi-rank
         programs train on global batches of exactly this size.
-    loss_fn: ``loss_fn(output, target)``, the mean over its batch (as ``F.cross_entropy``).
+    loss_fn: ``loss_fn(output, *targets)``, the loss the model trains with (cross-entropy, a
+        MONAI or smp loss, a masked mean...): ``train_step(x, y)`` calls it with ``y``, or with
+        ``*y`` when ``y`` is a tuple of tensors (a target and a mask). On a tiled output it is
+        captured and its sums and means run over the tiles (fxpar.compiler.loss); one that
+        cannot be, runs on the joined output with a LossWarning (PlanError under
+        ``Plan(strict=True)``).
+    target: an example of the global batch's targets (a tensor, meta or fake, or a tuple of
+        them; only shapes and dtypes are read): the loss is then captured and checked here
+        instead of at the first step.
     optimizer: ``optimizer(params) -> torch.optim.Optimizer``; None computes gradients only.
     init, seed: for a model built on the ``meta`` device, each rank materialises only its own
         stages' modules (in ``program.for_rank``), each by ``reset_parameters()`` -- or
@@ -235,12 +245,31 @@ def compile(  # noqa: A001 - the public name the design fixes
                       input_windows=rank_windows(gm, graph, rank_map,
                                                  spatial.grid if spatial is not None else None),
                       recompute=recomputed_stages(plan.recompute, plan.stages),
-                      predictor=functools.partial(predict, model, plan, loss_fn=loss_fn))
+                      predictor=functools.partial(predict, model, plan, loss_fn=loss_fn),
+                      loss_tiles=loss_factory(gm, plan, loss_fn, spatial, target))
     if plan.recompute == "auto":
         assert plan.memory_per_rank is not None  # Plan validates it
         program = dataclasses.replace(program,
                                       recompute=choose_recompute(program, plan.memory_per_rank))
     return program
+
+
+def loss_factory(gm: fx.GraphModule, plan: Plan, loss_fn: LossFn, spatial: SpatialInfo | None,
+                 target: Any) -> LossFactory | None:
+    """How a tiled output's tiles compute the loss (None when the output is not tiled); with
+    an example ``target``, made and checked now (a LossWarning or PlanError at compile)."""
+    if spatial is None or not spatial.out_tiled or plan.spatial_stages < plan.stages:
+        return None
+    factory = LossFactory(loss_fn, spatial.grid, plan.stages - 1, plan.strict)
+    if target is not None:
+        packed = next(n for n in gm.graph.nodes if n.target is model_output)
+        info = meta.get(packed.args[0], TensorInfo)
+        chunks = plan.chunks()
+        examples = target if isinstance(target, (tuple, list)) else (target,)
+        specs = tuple(((int(t.shape[0]) // chunks, *map(int, t.shape[1:])), t.dtype)
+                      for t in examples)
+        factory((tuple(info.shape), info.dtype), specs)
+    return factory
 
 
 def predict(model: nn.Module, plan: Plan, image: Any, out: str | Path | None = None,

@@ -4,10 +4,12 @@ All decisions were made at compile time (the schedule and the transfers are data
 only carries tensors between actions. State for one step lives in :class:`StepState` and is
 dropped at the end of the step.
 
-Loss scaling: ``loss_fn`` returns the mean over its chunk (like ``F.cross_entropy``). The global
-batch is cut into ``chunks`` equal parts (data-parallel x GEMS x micro-batches), so each chunk's
-loss is divided by ``chunks``; their sum is then exactly the mean over the global batch, and the
-summed gradients are those of that mean.
+Loss scaling: ``loss_fn(output, *targets)`` is the user's loss of one chunk. The global batch is
+cut into ``chunks`` equal parts (data-parallel x GEMS x micro-batches), so each chunk's loss is
+divided by ``chunks``; their sum is the mean of the chunks' losses (gradient accumulation over
+the chunks, the contract), and the summed gradients are those of that mean. A loss of a spatial
+stage is whole on every rank of its tile group (a replicated output, or a tiled output's loss
+whose reductions run over the tiles: :class:`LossTiles`), so each rank carries 1/P of it.
 
 Communication: every receive is posted (``irecv``) by its RECV action -- or earlier: the
 receives that follow a compute action in the list are posted before it runs, so their data
@@ -58,6 +60,24 @@ class Posted:
     buf: torch.Tensor
     req: Request
     rect: Rect | None = None
+
+
+@dataclass(frozen=True)
+class LossTiles:
+    """How the ranks of a tiled output compute its loss (fxpar.compiler.loss): ``build(tile,
+    copy)`` gives the module ``(output tile, *targets) -> loss``, whole on every rank of the
+    tile group; ``sliced[i]``: target i is cut to the tile (else passed whole); ``joined``:
+    why the output is joined for the loss instead ('' when its reductions run on tiles)."""
+
+    build: Callable[[int, int], torch.nn.Module]
+    sliced: tuple[bool, ...]
+    joined: str = ""
+
+
+def targets_of(y: Any) -> tuple[Any, ...]:
+    """A chunk's targets as ``loss_fn``'s arguments after the output: a tuple or list of
+    tensors (a target and a mask) is several, anything else one."""
+    return tuple(y) if isinstance(y, (tuple, list)) else (y,)
 
 
 @dataclass(frozen=True)
@@ -159,6 +179,9 @@ class Runtime:
     """The compute dtype of a mixed-precision plan: the loss runs under ``torch.autocast``
     in it, as in a user's autocast block (the stages' casts are graph nodes already:
     fxpar.passes.precision)."""
+    tile_loss: Callable[[int, int, torch.Tensor, Any], torch.Tensor] | None = None
+    """(copy, tile, output tile, the chunk's whole targets) -> the loss, whole on every rank of
+    the tile group, for a tiled output (the rank program's :class:`LossTiles`)."""
     _waited: float = field(default=0.0, repr=False)
 
     def run(self, state: StepState, actions: list[Action] | None = None) -> None:
@@ -283,12 +306,12 @@ class Runtime:
         if not st.train:
             st.results[self.chunk(a.copy, a.mb)] = result
             return outs
-        target = self._target(a, st.y_chunks[self.chunk(a.copy, a.mb)])
+        target = st.y_chunks[self.chunk(a.copy, a.mb)]
         if self.precision is None:
-            loss = self.loss_fn(result, target)
+            loss = self._loss(a, result, target)
         else:
             with torch.autocast(self.device.type, dtype=self.precision):
-                loss = self.loss_fn(result, target)
+                loss = self._loss(a, result, target)
         scale = st.scale * self._loss_share(a)
         if scale != 1.0:
             loss = loss * scale
@@ -385,23 +408,22 @@ class Runtime:
         self._block(self.sync)
 
     # -- spatial helpers ----------------------------------------------------------------------
+    def _loss(self, a: Action, result: Any, target: Any) -> torch.Tensor:
+        """The chunk's loss: on a tiled output through :attr:`tile_loss`, else ``loss_fn``."""
+        tl = self.tiling
+        if tl is not None and tl.spatial(a.stage) and tl.out_tiled:
+            if self.tile_loss is None:
+                raise RuntimeError("a tiled output needs the rank program's tile_loss")
+            return self.tile_loss(a.copy, self._my_tile(a), result, target)
+        return self.loss_fn(result, *targets_of(target))
+
     def _loss_share(self, a: Action) -> float:
-        """The part of the loss this rank's output carries: 1/P of a replicated output (each
-        tile computes it), the tile's pixel fraction of a tiled one."""
+        """The part of the loss this rank carries: 1/P in a spatial stage, where the loss is
+        whole on every rank of the tile group."""
         tl = self.tiling
         if tl is None or not tl.spatial(a.stage):
             return 1.0
-        if not tl.out_tiled:
-            return 1.0 / tl.grid.size
-        r = tl.rect(tl.out_extent, self._my_tile(a))
-        return r.size / math.prod(tl.out_extent)
-
-    def _target(self, a: Action, y: Any) -> Any:
-        tl = self.tiling
-        if tl is None or not tl.spatial(a.stage) or not tl.out_tiled:
-            return y
-        r = tl.rect(tl.out_extent, self._my_tile(a))
-        return y[(..., *(slice(*iv) for iv in r.dims))]
+        return 1.0 / tl.grid.size
 
     def _kind(self, t: Transfer) -> str:
         """p2p, tile, gather or replicated (fxpar.core.messages.transfer_kind)."""

@@ -55,6 +55,14 @@ class TileGroups:
     def __getitem__(self, key: str) -> Comm:
         return self.comms[key]
 
+    def add(self, module: nn.Module) -> None:
+        """Serve the tile ops of ``module`` too (a loss module built after the program), bound
+        now."""
+        for m in module.modules():
+            if isinstance(m, TileOp) and all(m is not op for op in self.ops):
+                self.ops.append(m)
+                m.comm = self.comms.get(m.key)
+
     def bind(self) -> None:
         """Give every op its group's communicator (ops without one here get None)."""
         for op in self.ops:

@@ -1,0 +1,127 @@
+"""Reductions over split dims of any tensor of a loss on tiles: the result is whole on every rank.
+
+A loss on a tiled output (fxpar.passes.tile_loss) reduces tensors whose split dims need not be
+the trailing ones of an image: ``(N, C, H, W)`` probabilities summed over ``(0, 2, 3)`` (Dice),
+``(N, H, W)`` per-pixel losses summed over everything (cross-entropy), ``(N, C, H*W)`` after a
+flatten (smp's Dice). :class:`TileReduceDims` reduces the tile over the op's dims, sums the
+partial results over the tile group (one allreduce) and finishes the op on the sum: a mean
+divides by the *global* count of the reduced cells, a vector norm takes the root, a max keeps
+one device's gradient on the ties. The result is replicated: as everywhere in fxpar, the
+backward of the allreduce is an allreduce of the gradient (fxpar.runtime.spatial.norms).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from fxpar.comm.mpi import Comm
+from fxpar.runtime.spatial.group import TileOp
+from fxpar.runtime.spatial.norms import group_sum
+from fxpar.runtime.spatial.ops import Join
+
+KINDS = ("sum", "mean", "amax", "amin", "any", "all", "norm")
+
+
+class _GroupExtreme(torch.autograd.Function):
+    """``amax`` / ``amin`` over ``dims`` of the whole tensor; the gradient is split evenly
+    over the cells equal to the extreme, on every tile (as one device does)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dims: tuple[int, ...], op: str,
+                comm: Comm) -> torch.Tensor:
+        local = x.amax(dim=dims, keepdim=True) if op == "max" else x.amin(dim=dims, keepdim=True)
+        m = comm.allreduce(local.contiguous(), op=op)
+        at = x == m
+        count = comm.allreduce(at.sum(dim=dims, keepdim=True).to(x.dtype))
+        ctx.save_for_backward(at, count)
+        ctx.comm = comm
+        return m
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        at, count = ctx.saved_tensors
+        g = ctx.comm.allreduce(g.contiguous().clone())
+        return at * (g / count), None, None, None
+
+
+class TileReduceDims(TileOp):
+    """``kind`` over ``dims`` of a tensor whose split dims are among ``dims``, from this rank's
+    tile; ``count`` is how many cells of the whole tensor each result reduces (for a mean),
+    ``ord`` the order of a vector norm, ``dtype`` the op's accumulation dtype (None: the
+    input's)."""
+
+    def __init__(self, kind: str, dims: tuple[int, ...], keepdim: bool, key: str,
+                 count: int = 1, ord: float = 2.0, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"TileReduceDims kind {kind!r}: one of {KINDS}")
+        self.kind, self.dims, self.keepdim, self.key = kind, tuple(dims), keepdim, key
+        self.count, self.ord, self.dtype = count, float(ord), dtype
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"kind": self.kind, "dims": self.dims, "keepdim": self.keepdim, "key": self.key,
+                "count": self.count, "ord": self.ord, "dtype": self.dtype}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dims = tuple(d % x.dim() for d in self.dims) if x.dim() else ()
+        if self.dtype is not None:
+            x = x.to(self.dtype)
+        comm = self.group()
+        if self.kind in ("any", "all"):
+            local = x.bool().any(dim=dims, keepdim=True) if self.kind == "any" else \
+                x.bool().all(dim=dims, keepdim=True)
+            y = comm.allreduce(local.to(torch.int32), op="max" if self.kind == "any"
+                               else "min").bool()
+        elif self.kind in ("amax", "amin"):
+            y = _GroupExtreme.apply(x, dims, "max" if self.kind == "amax" else "min", comm)
+        elif self.kind == "norm":
+            y = self._norm(x, dims, comm)
+        else:
+            y = group_sum(x.sum(dim=dims, keepdim=True), comm)
+            if self.kind == "mean":
+                y = y / self.count
+        return y if self.keepdim else _squeeze(y, dims)
+
+    def _norm(self, x: torch.Tensor, dims: tuple[int, ...], comm: Comm) -> torch.Tensor:
+        p = self.ord
+        if math.isinf(p):
+            return _GroupExtreme.apply(x.abs(), dims, "max" if p > 0 else "min", comm)
+        if p == 0:
+            return comm.allreduce((x != 0).sum(dim=dims, keepdim=True).to(x.dtype))
+        part = x.abs() if p == 1 else x * x if p == 2 else x.abs().pow(p)
+        total = group_sum(part.sum(dim=dims, keepdim=True), comm)
+        return total if p == 1 else total.sqrt() if p == 2 else total.pow(1.0 / p)
+
+    def extra_repr(self) -> str:
+        what = f"{self.kind} (ord {self.ord:g})" if self.kind == "norm" else self.kind
+        return f"{what} over dims {list(self.dims)} of the whole tensor" + \
+            (f", {self.count} cells" if self.kind == "mean" else "")
+
+
+def _squeeze(y: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    for d in sorted(dims, reverse=True):
+        y = y.squeeze(d)
+    return y
+
+
+class JoinedLoss(torch.nn.Module):
+    """The loss on the whole output, whole on every rank of the tile group: the tiles are
+    joined first (an allgather; its backward sums the ranks' gradients and keeps each tile's
+    part). Exact for any loss, at the cost of the whole output on every rank: what fxpar does
+    when a loss cannot be captured or has an op without a tile rule."""
+
+    def __init__(self, loss_fn: Any, rects: tuple[Any, ...], tile: int, key: str) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+        self.join = Join(rects, tile, key, tag=JOIN_TAG)
+
+    def forward(self, output: torch.Tensor, *targets: Any) -> torch.Tensor:
+        return self.loss_fn(self.join(output), *targets)
+
+
+JOIN_TAG = 8
+"""The tag of :class:`JoinedLoss`'s join in its tile group (the halo pass numbers its own
+from 10 up)."""
