@@ -37,6 +37,7 @@ from fxpar.core.roles import chunks_per_copy, first_chunk
 from fxpar.core.schedule import Action, Schedule, format_grid
 from fxpar.core.stages import StageGraph
 from fxpar.io.groups import communicators, stage_syncs, tile_groups
+from fxpar.io.tileloss import LossTilesFactory, TileLoss
 from fxpar.runtime.guard import StepGuard, nonfinite_policy
 from fxpar.runtime.loop import LossFn, Runtime, StepState, Tiling
 from fxpar.runtime.materialize import InitFn, materialize_rank
@@ -123,6 +124,10 @@ class Program:
     predictor: Callable[..., Any] | None = None
     """``fxpar.predict`` bound to the compiled model and plan (None for a program loaded from
     disk): what :meth:`RankProgram.predict` runs."""
+    loss_tiles: LossTilesFactory | None = None
+    """How the tiles of a tiled output compute the loss, per output and target shapes
+    (fxpar.compiler.loss); None: the output is joined for the loss (a program loaded from
+    disk)."""
 
     @property
     def world_size(self) -> int:
@@ -278,6 +283,8 @@ class RankProgram:
         self._comms = communicators(program, rank, comm)
         self.syncs = stage_syncs(program, rank, stages, self._comms)
         self.groups = tile_groups(program, rank, self._comms, self._modules())
+        self.tile_loss = self._make_tile_loss()
+        """The loss on this rank's tiles of a tiled output (fxpar.io.tileloss), else None."""
         self.runtime = Runtime(
             rank, program.graph, stages,
             lambda copy, stage, tile: rank_map.rank_of(dp, copy, stage, tile),
@@ -286,12 +293,23 @@ class RankProgram:
             chunk=lambda copy, mb: first_chunk(plan, dp, copy) + mb,
             sync=self._sync, recompute=program.recompute,
             precision=PRECISION_DTYPES[plan.precision], before_step=self._before_step,
-            segments=plan.recompute_segments)
+            segments=plan.recompute_segments, tile_loss=self.tile_loss)
         self.guard = StepGuard(rank, comm, self._buffers, self._grads)
         """Failed steps, NaN/inf, injected faults, the watchdog's clock (fxpar.runtime.guard)."""
         dog = watchdog.current()
         if self._failfast and dog is not None:  # its report draws this program's grid
             dog.grid = lambda here: format_grid(program.schedule, here=here)
+
+    def _make_tile_loss(self) -> TileLoss | None:
+        info, plan = self.program.spatial, self.plan
+        last = plan.stages - 1
+        if info is None or not info.out_tiled or last >= info.spatial_stages:
+            return None
+        roles = self.program.rank_map.roles_of(self.rank)
+        speaks = self.program.rank_map.dp_index(self.rank) == 0 and any(
+            r.copy == 0 and r.tile == 0 and r.stage == last for r in roles)
+        return TileLoss(self.program.loss_tiles, self.program.loss_fn, info.grid,
+                        info.out_extent, last, self.groups, lambda: self.device, speaks)
 
     def _buffers(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}
@@ -414,7 +432,10 @@ class RankProgram:
         return self
 
     def _on_device(self, v: Any) -> Any:
-        """A batch tensor on this rank's device (anything else as it is)."""
+        """A batch tensor (or a tuple of them) on this rank's device (anything else as it
+        is)."""
+        if isinstance(v, (tuple, list)):
+            return type(v)(self._on_device(t) for t in v)
         if isinstance(v, torch.Tensor) and v.device != self.device:
             return v.to(self.device)
         return v
@@ -627,11 +648,17 @@ class RankProgram:
 
 
 def _split_target(y: Any, n: int) -> list[Any]:
+    """The targets of each of ``n`` chunks: a tensor split along the batch, or a tuple of
+    tensors (a target and a mask: ``loss_fn(output, *y)``) each split alike."""
     if y is None:
         return [None] * n
     if isinstance(y, torch.Tensor):
         return list(torch.tensor_split(y, n))
+    if isinstance(y, (tuple, list)) and y and all(isinstance(t, torch.Tensor) for t in y):
+        return [tuple(part) for part in zip(*(torch.tensor_split(t, n) for t in y),
+                                            strict=True)]
     if n == 1:
         return [y]
     raise TypeError(f"targets of type {type(y).__name__} cannot be split into {n} chunks: "
-                    f"pass a tensor whose first dimension is the batch")
+                    f"pass a tensor whose first dimension is the batch, or a tuple of such "
+                    f"tensors (a target and a mask)")
