@@ -24,24 +24,15 @@ from torch import fx
 from fxpar.core.geometry import Grid
 from fxpar.core.plan import PlanError
 from fxpar.frontend.loss import LossCaptureError, TensorSpec, capture_loss
-from fxpar.frontend.rules.dims import Layout, NoRule, propagate
+from fxpar.frontend.rules.dims import NoRule, propagate
 from fxpar.passes.tile_loss import tile_loss
 from fxpar.runtime.loop import LossTiles
-from fxpar.runtime.spatial.lossops import JoinedLoss
+from fxpar.runtime.spatial.lossops import JoinedLoss, image_layout
 from fxpar.runtime.spatial.ops import group_key
 
 
 class LossWarning(UserWarning):
     """A loss on a tiled output that fxpar computes on the joined output (see module doc)."""
-
-
-def image_layout(spec: TensorSpec, extent: tuple[int, ...]) -> Layout | None:
-    """A tensor whose last dims are the output's image dims holds the tile (the grid's axes
-    there); any other is whole on every rank."""
-    s, nd = spec[0], len(extent)
-    if len(s) > nd and tuple(s[-nd:]) == tuple(extent):
-        return ((),) * (len(s) - nd) + tuple((a,) for a in range(nd))
-    return None
 
 
 def tiled_loss(loss_fn: Callable[..., torch.Tensor], grid: Grid, stage: int, strict: bool,
@@ -50,7 +41,7 @@ def tiled_loss(loss_fn: Callable[..., torch.Tensor], grid: Grid, stage: int, str
     """How each tile computes ``loss_fn(output, *targets)`` (specs: one micro-batch, global
     shapes) on the tiles of spatial stage ``stage``'s output."""
     extent = tuple(output[0][2:])
-    layouts = [image_layout(output, extent), *(image_layout(t, extent) for t in targets)]
+    layouts = [image_layout(s, extent) for s, _ in (output, *targets)]
     sliced = tuple(lay is not None for lay in layouts[1:])
     try:
         gm = capture_loss(loss_fn, output, targets)

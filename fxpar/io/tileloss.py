@@ -18,7 +18,7 @@ from torch import nn
 from fxpar.core.geometry import Grid
 from fxpar.runtime.loop import LossFn, LossTiles, targets_of
 from fxpar.runtime.spatial.group import TileGroups
-from fxpar.runtime.spatial.lossops import JoinedLoss
+from fxpar.runtime.spatial.lossops import JoinedLoss, image_layout
 from fxpar.runtime.spatial.ops import group_key
 
 Spec = tuple[tuple[int, ...], torch.dtype]
@@ -44,12 +44,13 @@ class TileLoss:
         if key not in self.plans:
             if self.factory is not None:
                 self.plans[key] = self.factory(output, targets, warn=self.speaks)
-            else:
+            else:  # no compiler here: join the output and the per-pixel targets
                 rects = tuple(self.grid.tile_rect(self.extent, u) for u in range(self.grid.size))
+                sliced = tuple(image_layout(s, self.extent) is not None for s, _ in targets)
                 self.plans[key] = LossTiles(
                     lambda tile, copy: JoinedLoss(self.loss_fn, rects, tile,
-                                                  group_key(self.stage, copy)),
-                    (False,) * len(targets), "a program loaded from disk joins its output")
+                                                  group_key(self.stage, copy), sliced),
+                    sliced, "a program loaded from disk joins its output")
         return self.plans[key]
 
     def __call__(self, copy: int, tile: int, output: torch.Tensor, target: Any) -> torch.Tensor:

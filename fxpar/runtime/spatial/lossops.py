@@ -108,18 +108,40 @@ def _squeeze(y: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 
 class JoinedLoss(torch.nn.Module):
-    """The loss on the whole output, whole on every rank of the tile group: the tiles are
-    joined first (an allgather; its backward sums the ranks' gradients and keeps each tile's
-    part). Exact for any loss, at the cost of the whole output on every rank: what fxpar does
-    when a loss cannot be captured or has an op without a tile rule."""
+    """The loss on the whole output, whole on every rank of the tile group: the output's tiles
+    are joined first (an allgather; its backward sums the ranks' gradients and keeps each
+    tile's part), and so are the tiles of the targets marked in ``joined`` (each rank holds
+    its tile of a per-pixel target, as a loader reading only ``target_window()`` gives it).
+    Exact for any loss, at the cost of the whole output on every rank: what fxpar does when a
+    loss cannot be captured or has an op without a tile rule."""
 
-    def __init__(self, loss_fn: Any, rects: tuple[Any, ...], tile: int, key: str) -> None:
+    def __init__(self, loss_fn: Any, rects: tuple[Any, ...], tile: int, key: str,
+                 joined: tuple[bool, ...] = ()) -> None:
         super().__init__()
-        self.loss_fn = loss_fn
+        self.loss_fn, self.joined = loss_fn, tuple(joined)
         self.join = Join(rects, tile, key, tag=JOIN_TAG)
 
     def forward(self, output: torch.Tensor, *targets: Any) -> torch.Tensor:
-        return self.loss_fn(self.join(output), *targets)
+        whole = [self._join(t) if j else t for t, j in
+                 zip(targets, self.joined + (False,) * len(targets), strict=False)]
+        return self.loss_fn(self.join(output), *whole)
+
+    def _join(self, t: torch.Tensor) -> torch.Tensor:
+        nd = self.join.rects[0].ndim
+        lead = t.shape[:-nd]
+        full = self.join(t.reshape(1, -1, *t.shape[-nd:]))
+        return full.reshape(*lead, *full.shape[-nd:])
+
+
+def image_layout(shape: tuple[int, ...], extent: tuple[int, ...]
+                 ) -> tuple[tuple[int, ...], ...] | None:
+    """The layout of a loss input (fxpar.frontend.rules.dims) whose last dims are the tiled
+    output's image dims: each holds its grid axis, and the rank holds its tile; None for any
+    other input, whole on every rank."""
+    nd = len(extent)
+    if len(shape) > nd and tuple(shape[-nd:]) == tuple(extent):
+        return ((),) * (len(shape) - nd) + tuple((a,) for a in range(nd))
+    return None
 
 
 JOIN_TAG = 8
