@@ -46,6 +46,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.core.meta import pretty_path
+from fxpar.core.modelkeys import MODEL_KEYS, ModelKeys
 from fxpar.runtime.modules import BatchNormOp, DropoutOp
 
 aten = torch.ops.aten
@@ -130,6 +131,7 @@ def capture(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
             h.remove()
     gm = normalize(ep.module(), type(model).__name__)
     gm.train(model.training)
+    gm.meta[MODEL_KEYS] = ModelKeys.of(model)  # the names export keeps only one of
     for m in gm.modules():  # the mode each op was captured in (a frozen BatchNorm stays so)
         if isinstance(m, (BatchNormOp, DropoutOp)):
             m.train(m.captured_training)

@@ -259,6 +259,7 @@ def stage_source(gm: fx.GraphModule, class_name: str, header: str) -> StageSourc
             raise PlanError(f"stage attribute {path} is a {type(obj).__name__}: fxpar can "
                             f"only save modules and tensors")
         init.append(f"        put(self, {path!r}, {expr})")
+    init += _unread_state(gm, set(weights), weights)
     imp.lines.add("from fxpar.io.emit import put")
     imp.lines.add("from pathlib import Path")
     forward = "\n".join("    " + line if line else "" for line in body.splitlines())
@@ -291,6 +292,30 @@ def load(map_location: str | torch.device = "cpu") -> {class_name}:
     return StageSource(text, {k: v.detach() for k, v in weights.items()})
 
 
+def _unread_state(gm: nn.Module, written: set[str], weights: dict[str, torch.Tensor]
+                  ) -> list[str]:
+    """``put`` lines for the state_dict entries of ``gm`` its graph does not read (the model's
+    unused tensors and aliases, fxpar.core.modelkeys), adding them to ``weights``. A tensor
+    already written under another name is put there again as itself (an alias)."""
+    names = {id(t): k for k, t in gm.state_dict(keep_vars=True).items() if k in written}
+    lines = []
+    for key, t in gm.state_dict(keep_vars=True).items():
+        if key in written:
+            continue
+        first = names.setdefault(id(t), key)
+        if first != key:
+            get = "get_parameter" if isinstance(t, nn.Parameter) else "get_buffer"
+            expr = f"self.{get}({first!r})"
+        elif isinstance(t, nn.Parameter):
+            expr = f"torch.nn.Parameter({_tensor_ctor(t)}" + \
+                (", requires_grad=False)" if not t.requires_grad else ")")
+        else:
+            expr = _tensor_ctor(t)
+        lines.append(f"        put(self, {key!r}, {expr})")
+        weights[key] = t
+    return lines
+
+
 # -- the program as data ----------------------------------------------------------------------
 def _qualname(fn: Callable[..., Any]) -> str | None:
     mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
@@ -319,6 +344,7 @@ def program_json(program: Program) -> dict[str, Any]:
         "input_shape": _input_shape(program), "output_shape": _output_shape(program),
         "plan": program.plan.to_json(), "loss_fn": _qualname(program.loss_fn),
         "names": list(program.names),
+        "model_keys": program.model_keys.to_json(),
         "stages": [{"inputs": [[i.source, i.index] for i in g.inputs[s]],
                     "n_outputs": g.n_outputs[s],
                     "mutated_inputs": sorted(g.mutated_inputs[s]) if g.mutated_inputs else []}
@@ -426,6 +452,7 @@ def save(program: Program, folder: str | os.PathLike[str],
     for rank in range(program.world_size) if ranks is None else ranks:
         rdir = root / rank_folder(rank)
         rdir.mkdir(exist_ok=True)
+        program.complete_stages()  # the unused tensors too, before materialising
         if getattr(program, "meta_model", None) is not None:  # built on meta: weights first
             from fxpar.runtime.materialize import materialize_rank
 

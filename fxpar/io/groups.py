@@ -54,7 +54,8 @@ def stage_syncs(program: Program, rank: int, stages: dict[tuple[int, int], fx.Gr
     for role in rm.roles_of(rank):
         members.setdefault(role.stage, []).append(
             Member(stages[(role.copy, role.stage)], first_chunk(plan, dp, role.copy),
-                   chunks_per_copy(plan), counts_stats=role.tile == 0))
+                   chunks_per_copy(plan), counts_stats=role.tile == 0,
+                   unread=program.model_keys.unused))
     return [StageSync(ms, comms.get(("stage", s)), plan.chunks())
             for s, ms in sorted(members.items())]
 

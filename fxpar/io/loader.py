@@ -20,6 +20,7 @@ from torch import fx, nn
 from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
 from fxpar.core.geometry import Grid, Rect
+from fxpar.core.modelkeys import ModelKeys
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.schedule import Action
 from fxpar.core.stages import StageGraph, StageInput, Transfer
@@ -99,7 +100,8 @@ def load(folder: str | os.PathLike[str], comm: Comm | None = None, *,
                       loss_fn=loss_fn, optimizer=optimizer, batch_size=int(info["batch_size"]),
                       names=tuple(info["names"]), spatial=_spatial(info),
                       input_windows=_windows(info),
-                      recompute=frozenset(info.get("recompute", ())))
+                      recompute=frozenset(info.get("recompute", ())),
+                      keys=ModelKeys.from_json(info.get("model_keys", {})))
     rp = RankProgram(program, rank, stages, comm)  # type: ignore[arg-type]
     failfast.uninstall(held)  # the rank program holds its own
     return rp

@@ -32,6 +32,7 @@ from fxpar.core import meta
 from fxpar.core.geometry import Grid, Rect
 from fxpar.core.messages import check_tags, tag_uses
 from fxpar.core.meta import TensorInfo
+from fxpar.core.modelkeys import MODEL_KEYS, ModelKeys, attach, complete, with_unused
 from fxpar.core.plan import PRECISION_DTYPES, Plan, PlanError, RankMap
 from fxpar.core.roles import chunks_per_copy, first_chunk
 from fxpar.core.schedule import Action, Schedule, format_grid
@@ -128,6 +129,9 @@ class Program:
     """How the tiles of a tiled output compute the loss, per output and target shapes
     (fxpar.compiler.loss); None: the output is joined for the loss (a program loaded from
     disk)."""
+    keys: ModelKeys | None = None
+    """The model's aliased and unused state_dict keys (fxpar.core.modelkeys), as saved with a
+    program on disk; None: read from ``traced`` (:attr:`model_keys`)."""
 
     @property
     def world_size(self) -> int:
@@ -153,9 +157,38 @@ class Program:
     def name_order(self) -> dict[str, int]:
         return {n: i for i, n in enumerate(self.names)}
 
+    @functools.cached_property
+    def model_keys(self) -> ModelKeys:
+        """The model's aliases (recorded at capture) and the canonical keys of the tensors no
+        stage's graph reads (fxpar.core.modelkeys)."""
+        if self.keys is not None:
+            return self.keys
+        if self.traced is None:
+            return ModelKeys()
+        return with_unused(self.traced.meta.get(MODEL_KEYS, ModelKeys()), self.names,
+                           self.traced, self.graph.modules)
+
+    def complete_stages(self) -> None:
+        """Give every stage module the aliases of its tensors, and the last one the tensors no
+        stage reads (the model's own, from ``traced``): every parameter and buffer of the model
+        then lives in exactly one stage, the last for the unused ones. Once, before anything
+        materialises or copies a stage module; a program loaded from disk has them already."""
+        if self.traced is None or self.__dict__.get("_stages_complete"):
+            return
+        complete(self.graph.modules, self.model_keys, self.traced)
+        self.__dict__["_stages_complete"] = True  # frozen: as functools.cached_property does
+
+    def _complete(self, module: nn.Module, stage: int) -> nn.Module:
+        """``module`` (a tile or GEMS copy of ``stage``) completed as its stage's module."""
+        self.complete_stages()
+        last = stage == len(self.graph.modules) - 1
+        attach(module, self.model_keys, self.graph.modules[stage] if last else None)
+        return module
+
     def for_rank(self, rank: int, comm: Comm | None = None) -> RankProgram:
         """Rank ``rank``'s program. Its modules share parameters with the compiled model (a
         meta-built model gets real memory for this rank's stages only, first)."""
+        self.complete_stages()  # before materialising: the unused tensors materialise too
         if self.meta_model is not None and 0 <= rank < self.world_size:
             materialize_rank(self, rank)
         stages = self.stage_modules(rank)
@@ -171,15 +204,17 @@ class Program:
         stages, a copy for the GEMS mirror. Touches no communicator."""
         if not 0 <= rank < self.world_size:
             raise PlanError(f"rank {rank} is outside this plan's {self.world_size} ranks")
+        self.complete_stages()
         stages = {}
         for r in self.rank_map.roles_of(rank):
             spatial = self.spatial is not None and r.stage < self.spatial.spatial_stages
             if r.copy == 0:
-                module = self.spatial.tile(r.stage, r.tile) if spatial else \
-                    self.graph.modules[r.stage]  # type: ignore[union-attr]
+                module = self._complete(self.spatial.tile(r.stage, r.tile), r.stage) \
+                    if spatial else self.graph.modules[r.stage]  # type: ignore[union-attr]
             else:  # the GEMS mirror trains its own parameters (kept equal by the sync)
-                module = copy.deepcopy(self.spatial.build(r.stage, r.tile, r.copy) if spatial
-                                       else self.graph.modules[r.stage])  # type: ignore[union-attr]
+                module = copy.deepcopy(
+                    self._complete(self.spatial.build(r.stage, r.tile, r.copy), r.stage)
+                    if spatial else self.graph.modules[r.stage])  # type: ignore[union-attr]
             stages[(r.copy, r.stage)] = module
         return stages
 
@@ -230,6 +265,7 @@ class Program:
         each rank built itself, not on the meta device) a checksum of its initial weights and
         buffers -- ranks that built the model under different seeds would train different
         models without any error."""
+        self.complete_stages()  # the same tensors on every rank, whatever it did before
         weights: list[float] = []
         modules = [] if self.meta_model is not None else \
             [m for m in self.graph.modules if m is not None]
@@ -401,10 +437,11 @@ class RankProgram:
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the original model's names."""
+        keys = self.program.model_keys
         seen: dict[int, tuple[str, nn.Parameter]] = {}
         for m in self._modules():
-            for name, p in m.named_parameters():
-                seen.setdefault(id(p), (name, p))
+            for name, p in m.named_parameters():  # as the model names it (not an alias)
+                seen.setdefault(id(p), (keys.canonical(name), p))
         yield from sorted(seen.values(), key=lambda item: self._order(item[0]))
 
     def _order(self, name: str) -> int:
@@ -624,17 +661,20 @@ class RankProgram:
         return {k: out[k] for k in sorted(out, key=self._order)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Collective: the whole model's state_dict on rank 0, None on the other ranks."""
+        """Collective: the whole model's state_dict on rank 0, None on the other ranks: the
+        keys of ``model.state_dict()`` in its order, aliases and parameters the forward never
+        uses included, so ``model.load_state_dict(state, strict=True)`` takes it."""
         local = self.state_dict()
         if self.comm is None:
-            return local
-        parts = self.comm.gather_object(local, root=0)
+            parts: list[dict[str, torch.Tensor]] | None = [local]
+        else:
+            parts = self.comm.gather_object(local, root=0)
         if parts is None:
             return None
         merged: dict[str, torch.Tensor] = {}
         for part in parts:
             merged.update(part)
-        return {k: merged[k] for k in sorted(merged, key=self._order)}
+        return {k: merged[k] for k in self.program.names if k in merged}
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor],
                         strict: bool = True) -> list[str]:

@@ -34,6 +34,7 @@ from torch import fx, nn
 from torch.utils.hooks import RemovableHandle
 
 from fxpar.comm.mpi import Comm
+from fxpar.core.modelkeys import lookup
 from fxpar.core.plan import PlanError
 from fxpar.runtime.modules import BatchNormOp
 from fxpar.runtime.spatial.ops import TileBatchNorm
@@ -94,6 +95,14 @@ class Member:
     counts_stats: bool
     """This copy's BatchNorm statistics are added in (tile 0 only: the tiles of one copy hold
     the same global statistics)."""
+    unread: tuple[str, ...] = ()
+    """Parameters the model's forward never uses (fxpar.core.modelkeys): never summed, so
+    their gradient stays None as on one process (a zero would let weight decay move them)."""
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients are summed."""
+        skip = {id(t) for n in self.unread if (t := lookup(self.module, n)) is not None}
+        return [p for p in self.module.parameters() if id(p) not in skip]
 
 
 BUCKET_BYTES = 4 * 2**20
@@ -148,7 +157,7 @@ class StageSync:
             for problem in sync_problems([m.module for m in members], "this stage")[:1]:
                 raise PlanError(problem)
         # position i: the i-th parameter of every member (the copies have the same layout)
-        per_member = [list(m.module.parameters()) for m in members]
+        per_member = [m.parameters() for m in members]
         self.slots = list(zip(*per_member, strict=True))
         self.buckets = self._buckets()
         self.expected = sum(m.count for m in members)  # accumulations per slot per step
