@@ -29,7 +29,7 @@ import torch
 from torch import fx
 
 from fxpar.core.geometry import Grid
-from fxpar.frontend.rules.dims import Propagation, shape
+from fxpar.frontend.rules.dims import Propagation, broadcast, shape
 from fxpar.runtime.spatial.lossops import TileReduceDims
 
 aten = torch.ops.aten
@@ -88,8 +88,18 @@ def tile_loss(gm: fx.GraphModule, prop: Propagation, grid: Grid, extent: tuple[i
 
 def _tile_index(a: fx.Node, user: fx.Node, lay: Any, rect: Any) -> tuple[slice, ...]:
     """The index that cuts this tile out of ``a``, a whole operand of ``user`` (layout
-    ``lay``): broadcasting aligns ``a``'s dims with the output's last ones."""
+    ``lay``): broadcasting aligns ``a``'s dims with the output's last ones. Along a dim where
+    ``a`` is an expand of one cell, the first cells do (a dim holding several axes, such as
+    D*H*W flattened, has no contiguous range of its own)."""
     s = shape(a)
     off = len(lay) - len(s)
-    return tuple(slice(*rect.dims[lay[off + i][0]]) if lay[off + i] and size != 1
-                 else slice(None) for i, size in enumerate(s))
+    index = []
+    for i, size in enumerate(s):
+        axes = lay[off + i]
+        if not axes or size == 1:
+            index.append(slice(None))
+        elif broadcast(a, i):
+            index.append(slice(0, math.prod(b - c for c, b in (rect.dims[x] for x in axes))))
+        else:
+            index.append(slice(*rect.dims[axes[0]]))
+    return tuple(index)

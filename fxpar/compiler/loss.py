@@ -14,7 +14,6 @@ names the op and its source line, and ``Plan(strict=True)`` raises ``PlanError``
 from __future__ import annotations
 
 import functools
-import re
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -23,7 +22,7 @@ from torch import fx
 
 from fxpar.core.geometry import Grid
 from fxpar.core.plan import PlanError
-from fxpar.frontend.loss import LossCaptureError, TensorSpec, capture_loss
+from fxpar.frontend.loss import CALLS_KEY, LossCaptureError, TensorSpec, capture_loss
 from fxpar.frontend.rules.dims import NoRule, propagate
 from fxpar.passes.tile_loss import tile_loss
 from fxpar.runtime.loop import LossTiles
@@ -43,11 +42,13 @@ def tiled_loss(loss_fn: Callable[..., torch.Tensor], grid: Grid, stage: int, str
     extent = tuple(output[0][2:])
     layouts = [image_layout(s, extent) for s, _ in (output, *targets)]
     sliced = tuple(lay is not None for lay in layouts[1:])
+    calls: tuple[tuple[str, str], ...] = ()
     try:
         gm = capture_loss(loss_fn, output, targets)
+        calls = gm.meta.get(CALLS_KEY, ())
         prop = propagate(gm, extent, grid.parts, layouts)
     except (LossCaptureError, NoRule) as e:
-        reason = _why(e)
+        reason = _why(e, getattr(loss_fn, "__name__", type(loss_fn).__name__), calls)
         if strict:
             raise PlanError(f"{reason}; Plan(strict=True) refuses to join the output (strict="
                             f"False computes the loss on the joined output, exactly)") from e
@@ -56,8 +57,8 @@ def tiled_loss(loss_fn: Callable[..., torch.Tensor], grid: Grid, stage: int, str
                           f"tile group (exact, but not spread): {reason}", LossWarning,
                           stacklevel=3)
         rects = tuple(grid.tile_rect(extent, u) for u in range(grid.size))
-        return LossTiles(functools.partial(_joined, loss_fn, rects, stage),
-                         (False,) * len(targets), reason)
+        return LossTiles(functools.partial(_joined, loss_fn, rects, stage, sliced), sliced,
+                         reason)
     return LossTiles(functools.partial(_tiles, gm, prop, grid, extent, stage), sliced)
 
 
@@ -79,9 +80,10 @@ class LossFactory:
         return self._made[key]
 
 
-def _joined(loss_fn: Callable[..., torch.Tensor], rects: tuple, stage: int, tile: int,
-            copy: int) -> torch.nn.Module:
-    return JoinedLoss(loss_fn, rects, tile, group_key(stage, copy))
+def _joined(loss_fn: Callable[..., torch.Tensor], rects: tuple, stage: int,
+            sliced: tuple[bool, ...], tile: int, copy: int) -> torch.nn.Module:
+    """The loss on the joined output; the per-pixel targets (``sliced``) joined too."""
+    return JoinedLoss(loss_fn, rects, tile, group_key(stage, copy), sliced)
 
 
 def _tiles(gm: fx.GraphModule, prop: object, grid: Grid, extent: tuple[int, ...], stage: int,
@@ -89,22 +91,13 @@ def _tiles(gm: fx.GraphModule, prop: object, grid: Grid, extent: tuple[int, ...]
     return tile_loss(gm, prop, grid, extent, tile, group_key(stage, copy))  # type: ignore[arg-type]
 
 
-def _why(e: Exception) -> str:
+def _why(e: Exception, loss: str, calls: tuple[tuple[str, str], ...] = ()) -> str:
+    """What stops ``loss`` running on tiles: the op, the line of the loss that called it (the
+    first call of a torch function of that name), why."""
     node = getattr(e, "node", None)
     if node is None:
         return str(e)
     op = getattr(node.target, "overloadpacket", node.target)
-    name = f"aten.{op.__name__}" if hasattr(op, "__name__") else str(op)
-    at = _user_line(node.meta.get("stack_trace") or "")
-    return f"{name} in the loss{f' ({at})' if at else ''}: {e}"
-
-
-def _user_line(trace: str) -> str:
-    """The loss's own source line: the last frame outside torch and fxpar's capture."""
-    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
-    mine = [f for f in frames if "/torch/" not in f[0] and "fxpar/frontend" not in f[0]]
-    if not mine:
-        return ""
-    file, line = mine[-1]
-    m = re.search(r"site-packages/(.*)$", file)
-    return f"{m.group(1) if m else file}:{line}"
+    name = getattr(op, "__name__", str(op))
+    at = next((line for fn, line in calls if fn.strip("_") == name.strip("_") and line), "")
+    return f"aten.{name} in the loss {loss}{f' ({at})' if at else ''}: {e}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,17 +58,38 @@ class _Loss(nn.Module):
 _CONSTANT_FACTORIES = (torch.arange, torch.tensor, torch.as_tensor, torch.linspace)
 
 
+CALLS_KEY = "fxpar.loss_calls"
+"""``gm.meta`` key: the torch functions the loss called, in order, each with the line of the
+loss's own code that called it (export keeps source lines only inside modules' forwards)."""
+
+
 class _ConstantFactories(TorchFunctionMode):
-    """Factories called with Python values only give real tensors (see the module doc)."""
+    """Factories called with Python values only give real tensors (see the module doc); every
+    call is recorded with its caller's line in the loss (:data:`CALLS_KEY`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        self.calls.append((getattr(func, "__name__", ""), _caller()))
         if func in _CONSTANT_FACTORIES and not any(
                 isinstance(a, torch.Tensor) for a in pytree.tree_leaves((args, kwargs))):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and fxpar, as 'file:line' (site-packages cut)."""
+    for frame in reversed(traceback.extract_stack()):
+        f = frame.filename
+        if "/torch/" not in f and "/fxpar/" not in f and not f.startswith("<"):
+            cut = f.split("site-packages/")[-1]
+            return f"{cut}:{frame.lineno}"
+    return ""
 
 
 def capture_loss(loss_fn: Callable[..., torch.Tensor], output: TensorSpec,
@@ -87,7 +109,7 @@ def capture_loss(loss_fn: Callable[..., torch.Tensor], output: TensorSpec,
                 warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fakes = tuple(torch.empty(s, dtype=d, device=device) for s, d in specs)
-            with _ConstantFactories():
+            with _ConstantFactories() as recorder:
                 ep = torch.export.export(wrapper, fakes, strict=False)
             ep = ep.run_decompositions()
     except Exception as e:  # noqa: BLE001 - re-raised with what it means
@@ -95,6 +117,7 @@ def capture_loss(loss_fn: Callable[..., torch.Tensor], output: TensorSpec,
         raise LossCaptureError(f"torch.export could not capture the loss {name}: "
                                f"{type(e).__name__}: {first}") from e
     gm = normalize(ep.module(), "Loss")
+    gm.meta[CALLS_KEY] = tuple(recorder.calls)
     _drop_checks(gm)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     if not isinstance(out.args[0], fx.Node):

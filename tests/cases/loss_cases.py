@@ -4,11 +4,12 @@ compares the loss, every gradient, the parameters after each step and every buff
 (tests/transparency.py). The losses divide global sums by global sums (Dice, Tversky,
 ``ignore_index``, class weights, masks): per-tile weighting is wrong for all of them.
 
-``LOSSES`` x ``PLANS`` x models is the full matrix (``FXPAR_LOSS_MATRIX=1``); CI runs every
-loss under SP2 on the 2-D net and a chosen set of (loss, plan, model) triples."""
+``LOSSES`` x ``PLANS`` is the full matrix (``FXPAR_LOSS_MATRIX=1``, 8 ranks for the 2x2x2
+cube); CI runs every loss under SP2 and a chosen set of (loss, plan) pairs on 4 ranks."""
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -70,6 +71,12 @@ def masked_dice(out, y, mask):
     return _monai("MaskedDiceLoss", softmax=True, to_onehot_y=True)(out, y, mask=mask)
 
 
+def cumsum_loss(out, y):
+    """Cross-entropy plus a term with a running sum down the rows: an op with no tile rule
+    (it reads every row above), so fxpar joins the output for this loss (exact, warned)."""
+    return F.cross_entropy(out, y) + 1e-2 * out.cumsum(2).square().mean()
+
+
 def _weights() -> torch.Tensor:
     return torch.tensor([0.2, 1.0, 2.5], dtype=torch.float64)
 
@@ -97,6 +104,7 @@ LOSSES: dict[str, LossCase] = {
     "smp_jaccard": (lambda: _smp("JaccardLoss", "multiclass"), "labels"),
     "smp_focal": (lambda: _smp("FocalLoss", "multiclass"), "labels"),
     "masked_mse": (lambda: masked_mse, "dense"),
+    "joined_cumsum": (lambda: cumsum_loss, "labels"),
 }
 
 
@@ -124,6 +132,7 @@ PLANS: dict[str, tuple[fxpar.Plan, int]] = {
     "sp2gems": (fxpar.Plan(spatial_parts=2, slice="horizontal", stages=2, spatial_stages=2,
                            gems=True), 2),
     "cube8": (fxpar.Plan(spatial_parts=8, slice="cube"), 3),
+    "grid212": (fxpar.Plan(grid=(2, 1, 2)), 3),
 }
 """Plans and the image dims they need (cube8: a volume)."""
 
@@ -153,11 +162,60 @@ def run(loss: str, plan: str) -> None:
 CI = [(loss, "sp2") for loss in LOSSES] + [
     ("monai_dice", "sp4sq"), ("monai_dicece", "sp2pp2"), ("ce_ignore", "sp2pp2"),
     ("monai_tversky", "sp2dp2"), ("smp_dice", "sp4sq"), ("masked_mse", "sp2dp2"),
-    ("ce_weight", "sp2gems"), ("monai_gdice", "cube8"), ("monai_dicece", "cube8"),
+    ("ce_weight", "sp2gems"), ("monai_gdice", "grid212"), ("monai_dicece", "grid212"),
     ("smp_jaccard", "sp2dp2"), ("ce_smooth", "sp4sq"), ("monai_maskeddice", "sp2pp2"),
+    ("joined_cumsum", "sp4sq"), ("joined_cumsum", "sp2pp2"),
 ]
 CHOSEN = [(a, b) for a in LOSSES for b in PLANS] if os.environ.get("FXPAR_LOSS_MATRIX") == "1" \
     else CI
 
 for _loss, _plan in CHOSEN:
     globals()[f"case_{_loss}_{_plan}"] = (lambda a, b: lambda: run(a, b))(_loss, _plan)
+
+
+# -- the harness catches the old rule ------------------------------------------------------------
+def _pixel_share(loss_fn: Callable) -> Callable:
+    """The rule fxpar had before the loss was captured: each tile's loss of its own pixels,
+    weighted by its share of the pixels (exact for a per-pixel mean only)."""
+    from fxpar.io.tileloss import TileLoss
+
+    def call(self: TileLoss, copy: int, tile: int, output, target):
+        box = self.grid.tile_rect(self.extent, tile)
+        ys = target if isinstance(target, tuple) else (target,)
+        cut = tuple(y[(..., *(slice(*iv) for iv in box.dims))] for y in ys)
+        share = box.size / math.prod(self.extent)
+        return loss_fn(output, *cut) * share * self.grid.size  # the runtime takes 1/P of it
+    return call
+
+
+def _mutated(loss: str) -> list[str]:
+    """The failures the harness reports for ``loss`` under SP2 with the old per-tile rule."""
+    from equivalence import collect_failures
+
+    from fxpar.io.tileloss import TileLoss
+
+    make, kind = LOSSES[loss]
+    fn = make()
+    original = TileLoss.__call__
+    TileLoss.__call__ = _pixel_share(fn)
+    try:
+        with collect_failures() as failures:
+            p, _ = PLANS["sp2"]
+            rp = check(Case(lambda: SegNet(2), SHAPES[2], p, segmentation=True, loss=fn,
+                            targets=targets(kind, SHAPES[2])))
+    finally:
+        TileLoss.__call__ = original
+    return failures if rp is not None else None  # None: this rank sat the check out
+
+
+def case_old_pixel_share_rule_is_caught():
+    """Dice, ignore_index and a masked mean fail the check under the old rule (their
+    gradients differ far beyond the tolerance); a plain per-pixel mean passes it, as it
+    should (the rule was exact for it)."""
+    for loss in ("monai_dice", "ce_ignore", "masked_mse"):
+        failures = _mutated(loss)
+        if failures is None:
+            continue
+        assert any("grad of" in f for f in failures), (loss, failures)
+        print(f"{loss}: {len(failures)} failures, first: {failures[0][:160]}")
+    assert _mutated("ce") in ([], None)

@@ -147,13 +147,23 @@ def pointwise(n: fx.Node, ins: list[Any], st: _State) -> Any:
                     raise NoRule(f"operand {a.name!r} is whole along dim {off + i}, which "
                                  f"another operand splits")
             elif size != 1:
-                if len(axes) != 1 or size != st.size(axes):
+                if size != st.size(axes) or len(axes) != 1 and not broadcast(a, i):
                     raise NoRule(f"operand {a.name!r} of shape {s} is not split but varies "
                                  f"along a split dim")
                 sliced.add(a)
     if sliced:
         st.prop.sliced[n] = sliced
     return tuple(lay)
+
+
+def broadcast(a: fx.Node, dim: int) -> bool:
+    """Whether ``a`` is the same along ``dim`` (an expand of a size-1 dim: class weights spread
+    over the image), so any ``k`` of its cells there are its tile's."""
+    if getattr(a.target, "overloadpacket", None) is not aten.expand:
+        return False
+    src, out = shape(a.args[0]), shape(a)
+    off = len(out) - len(src)
+    return dim < off or src[dim - off] == 1
 
 
 def _tensor_args(n: fx.Node) -> list[fx.Node]:
@@ -227,8 +237,8 @@ def gather(n: fx.Node, ins: list[Any], st: _State) -> Any:
                      f"along dim {d}")
     if not tiled(lay):  # a whole table (class weights expanded to the image): my tile of it
         s = shape(base)
-        if any(st.split(axes) and (len(axes) != 1 or s[i] != st.size(axes))
-               for i, axes in enumerate(idx)):
+        if any(st.split(axes) and (s[i] != st.size(axes) or len(axes) != 1 and
+                                   not broadcast(base, i)) for i, axes in enumerate(idx)):
             raise NoRule("gather from a whole tensor that is not the image's size")
         st.prop.sliced.setdefault(n, set()).add(base)
     return idx
