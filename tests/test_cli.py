@@ -146,3 +146,29 @@ def test_inspect_rank_map_and_gems_grid():
                                                                                "2", "0"]
     assert rows[-1].split() == ["5", "1", "1", "0", "0"]
     assert "GEMS x2 copies" in out and "c1.0F0" in out
+
+
+def test_run_trains_a_segmentation_model_with_a_library_loss():
+    """--loss dicece on a U-Net: synthetic masks (one label per pixel) and the loss's value."""
+    r = call(run_main, "models:unet", "--image-size", "32", "--batch-size", "2",
+             "--num-classes", "3", "--steps", "2", "--loss", "dicece", "--class-weights",
+             "0.2,1,2", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    steps = [line for line in r.stdout.splitlines() if line.startswith("step")]
+    assert len(steps) == 2 and 0.5 < float(steps[0].split()[3]) < 3.0  # Dice + CE of 3 classes
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("torchvision:resnet18", "--loss", "dice"),
+     "--loss dice compares per-pixel masks, but torchvision:resnet18 gives 8x10 outputs"),
+    (("models:unet", "--loss", "tversky", "--class-weights", "1,2"),
+     "--loss tversky has no --class-weights"),
+    (("models:unet", "--loss", "focal", "--ignore-index", "1"),
+     "--loss focal has no --ignore-index (ce and dice have)"),
+    (("models:unet", "--num-classes", "3", "--class-weights", "1,2"),
+     "--class-weights has 2 values for 3 classes: give one per class"),
+    (("models:unet", "--class-weights", "a,b"), "--class-weights a,b: give one number per"),
+])
+def test_run_loss_options_are_checked_with_what_to_change(args, message):
+    r = call(run_main, *args, "--image-size", "32", "--steps", "1", "--device", "cpu")
+    assert r.returncode == 2 and message in r.stderr, r.stderr

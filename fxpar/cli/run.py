@@ -36,6 +36,7 @@ import torch
 
 from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg, user_error
 from fxpar.cli.auto import AutoUsageError, add_args, check_no_layout, choose
+from fxpar.cli.losses import LOSSES, LossArgError, make_loss
 from fxpar.cli.train import (  # train and finish: re-exported (tests, users import them here)
     add_eval_args,
     check_eval_args,
@@ -152,6 +153,13 @@ def parser() -> argparse.ArgumentParser:
                    help="a NaN or inf loss or gradient on any rank: stop the job naming the "
                         "step and ranks (default, FXPAR_NONFINITE), skip that step on every "
                         "rank, or do not check")
+    p.add_argument("--loss", choices=tuple(LOSSES), default="ce",
+                   help="the loss to train with: " + "; ".join(
+                       f"{k}: {v.help}" for k, v in LOSSES.items()) + " (default ce)")
+    p.add_argument("--ignore-index", type=int, default=None, metavar="LABEL",
+                   help="a label the loss leaves out (ce, dice)")
+    p.add_argument("--class-weights", default=None, metavar="W1,W2,...",
+                   help="one weight per class (ce, dice, dicece, focal)")
     p.add_argument("--resume", type=Path, default=None, metavar="DIR",
                    help="continue from the checkpoint in DIR (same plan and ranks)")
     g = p.add_argument_group("plan (MPI4DL's names in brackets)")
@@ -318,15 +326,23 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
     if a.plan == "auto":
         plan = _auto(a, model, shape, comm, plan)
     example = torch.empty(shape, dtype=dtype, device="meta")
+    loss_fn = make_loss(a.loss, a.ignore_index, a.class_weights, a.num_classes)
     try:
-        program = fx_compile(model, plan, example,
+        program = fx_compile(model, plan, example, loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
     except PlanError:
         if a.plan != "auto" or plan.balance is None:
             raise
         plan = dataclasses.replace(plan, balance=None)  # the compiler's own cuts
-        program = fx_compile(model, plan, example,
+        program = fx_compile(model, plan, example, loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
+    out = program.output_shape
+    if isinstance(source, Synthetic) and out is not None and len(out) == len(shape):
+        source.masks = tuple(out[2:])  # a segmentation model: one label per pixel
+    if LOSSES[a.loss].segmentation and (out is None or len(out) < 3):
+        raise LossArgError(f"--loss {a.loss} compares per-pixel masks, but {a.model} gives "
+                           f"{'x'.join(map(str, out or ()))} outputs (one per image): use "
+                           f"--loss ce or focal, or a segmentation model")
     took = time.perf_counter() - t0
     if a.save_program is not None and comm is None and \
             not any(v in os.environ for v in _LAUNCHER_VARS):
@@ -392,7 +408,10 @@ def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:
         a.num_classes = int(info["output_shape"][1])  # labels in range of the saved model's
     source = _source(a, shape, getattr(torch, a.dtype))
     t0 = time.perf_counter()
-    rp = load(a.model, comm, optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
+    chosen = a.loss != "ce" or a.ignore_index is not None or a.class_weights is not None
+    rp = load(a.model, comm, optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9),
+              loss_fn=make_loss(a.loss, a.ignore_index, a.class_weights, a.num_classes)
+              if chosen else None)
     dtype = next((p.dtype for p in rp.parameters()), getattr(torch, a.dtype))
     if hasattr(source, "dtype"):
         source.dtype = dtype  # the saved weights decide

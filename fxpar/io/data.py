@@ -413,6 +413,9 @@ class Synthetic:
     classes: int
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    masks: tuple[int, ...] | None = None
+    """For a segmentation model, the output's spatial size: the labels are then one class per
+    pixel, (N, *masks), whole on every rank (synthetic data is for small runs)."""
     _cache: dict[Rect | None, Batch] = field(default_factory=dict, repr=False)
 
     def batch(self, step: int, window: Rect | None) -> Batch:
@@ -423,7 +426,7 @@ class Synthetic:
 
     def _make(self, window: Rect | None) -> Batch:
         n, c, *size = self.shape
-        y = torch.randint(0, self.classes, (n,),
+        y = torch.randint(0, self.classes, (n, *(self.masks or ())),
                           generator=torch.Generator().manual_seed(self.seed + 1))
         if window is None:
             return None, y
