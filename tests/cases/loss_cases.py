@@ -140,6 +140,35 @@ SHAPES = {2: (4, 2, 11, 10), 3: (4, 2, 6, 5, 6)}
 """Odd sizes: uneven tiles."""
 
 
+def _monai_net(name: str, dims: int) -> nn.Module:
+    import monai.networks.nets as mn
+
+    if name == "UNet":
+        return mn.UNet(spatial_dims=dims, in_channels=2, out_channels=CLASSES,
+                       channels=(4, 8, 16), strides=(2, 2), num_res_units=1)
+    return mn.SegResNet(spatial_dims=dims, in_channels=2, out_channels=CLASSES, init_filters=4,
+                        norm=("group", {"num_groups": 2}))
+
+
+def _smp_unet() -> nn.Module:
+    import segmentation_models_pytorch as smp
+
+    return smp.Unet(encoder_name="resnet18", encoder_weights=None, in_channels=2,
+                    classes=CLASSES, encoder_depth=3, decoder_channels=(16, 8, 8))
+
+
+MODELS: dict[str, tuple[Callable[[int], nn.Module], dict[int, tuple[int, ...]]]] = {
+    "segnet": (lambda dims: SegNet(dims), SHAPES),
+    "monai_unet": (lambda dims: _monai_net("UNet", dims), {2: (4, 2, 20, 12),
+                                                            3: (4, 2, 8, 8, 12)}),
+    "monai_segresnet": (lambda dims: _monai_net("SegResNet", dims), {2: (4, 2, 16, 24),
+                                                                      3: (4, 2, 8, 16, 8)}),
+    "smp_unet": (lambda dims: _smp_unet(), {2: (4, 2, 32, 24)}),
+}
+"""The models the losses train: the small net above (odd sizes) and library segmentation
+models (MONAI UNet, SegResNet, smp Unet; sizes their poolings divide)."""
+
+
 FLOAT32_INSIDE = {"monai_focal", "monai_dicefocal"}
 """MONAI's FocalLoss casts its input to float32 (``input.float()``), so these losses are float32
 computations whatever the model's dtype: one process running the captured graph differs from
@@ -150,12 +179,13 @@ RTOL32 = 1e-5
 """Element-wise relative tolerance for :data:`FLOAT32_INSIDE` (float32: 1.2e-7 per rounding)."""
 
 
-def run(loss: str, plan: str) -> None:
+def run(loss: str, plan: str, model: str = "segnet") -> None:
     make, kind = LOSSES[loss]
     p, dims = PLANS[plan]
-    shape = SHAPES[dims]
+    build, shapes = MODELS[model]
+    shape = shapes[dims]
     tol = {"atol": 1e-9, "rtol": RTOL32} if loss in FLOAT32_INSIDE else {}
-    check(Case(lambda: SegNet(dims), shape, p, segmentation=True, loss=make(),
+    check(Case(lambda: build(dims), shape, p, segmentation=True, loss=make(),
                targets=targets(kind, shape)), **tol)
 
 
@@ -169,8 +199,21 @@ CI = [(loss, "sp2") for loss in LOSSES] + [
 CHOSEN = [(a, b) for a in LOSSES for b in PLANS] if os.environ.get("FXPAR_LOSS_MATRIX") == "1" \
     else CI
 
+LIBRARY = [("monai_dicece", "sp2", "monai_unet"), ("monai_dice", "sp2pp2", "monai_unet"),
+           ("smp_dice", "sp2", "smp_unet"), ("ce_ignore", "sp2dp2", "smp_unet"),
+           ("monai_gdice", "grid212", "monai_segresnet"),
+           ("monai_tversky", "sp4sq", "monai_segresnet")]
+"""(loss, plan, library model) triples CI runs; the matrix runs every loss on every model
+under every plan the model's sizes allow."""
+if os.environ.get("FXPAR_LOSS_MATRIX") == "1":
+    LIBRARY = [(a, b, m) for m, (_, shapes) in MODELS.items() if m != "segnet"
+               for a in LOSSES for b, (_, dims) in PLANS.items() if dims in shapes]
+
 for _loss, _plan in CHOSEN:
     globals()[f"case_{_loss}_{_plan}"] = (lambda a, b: lambda: run(a, b))(_loss, _plan)
+for _loss, _plan, _model in LIBRARY:
+    globals()[f"case_{_model}_{_loss}_{_plan}"] = \
+        (lambda a, b, m: lambda: run(a, b, m))(_loss, _plan, _model)
 
 
 # -- the harness catches the old rule ------------------------------------------------------------
