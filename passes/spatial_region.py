@@ -161,33 +161,42 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 @dataclass(frozen=True)
 class Coverage:
-    """How much of the model's work the spatial region spreads over the tiles (forward FLOPs,
-    from the analysis): ``tiled`` of ``image``, where ``image`` counts every op that reads or
-    makes an image or volume tensor (4-D or 5-D, at least the tile grid): what a spatial plan could
-    split. The classifier head (flatten, linear) and squeeze-excite's 1x1 maps are outside
-    both. ``ended``: why the region ends early ('' if it covers every image op)."""
+    """How much of the spatial stages' work is spread over the tiles (forward FLOPs, from the
+    analysis): ``tiled`` of ``image``, where ``image`` counts every op the ranks of the
+    spatial stages run, whatever its tensors' shapes. An op on tiles (or a reduction of
+    tiles: each rank reduces its own) counts as tiled; an op every rank of the group runs on
+    the same whole value (after a join, on a pooled branch, an attention block on a flattened
+    map, the classifier head of a stage) does not. So a rank runs about ``(1 - share) +
+    share / P`` of one process's forward FLOPs. ``ended``: why the region ends early ('' if
+    it covers everything); ``replicated``: the ops run whole on every rank, by FLOPs (at most
+    :data:`LISTED`)."""
 
     KEY: ClassVar[str] = "fxpar.coverage"
     tiled: int
     image: int
     ended: str = ""
+    replicated: tuple[tuple[str, int], ...] = ()
 
     @property
     def share(self) -> float:
         return self.tiled / self.image if self.image else 1.0
 
 
-def coverage(gm: fx.GraphModule, grid: Grid) -> Coverage:
-    """The spatial region's :class:`Coverage` (its layouts as the region pass left them)."""
+LISTED = 10
+"""How many replicated ops :class:`Coverage` names."""
+
+
+def coverage(gm: fx.GraphModule, grid: Grid, stage_of: dict[fx.Node, int] | None = None,
+             stages: int = 1) -> Coverage:
+    """The spatial region's :class:`Coverage` (its layouts as the region pass left them), over
+    the nodes of the first ``stages`` stages (``stage_of``; None: every node)."""
     tiled = image = 0
     first = ""
+    whole: list[tuple[int, str]] = []
     for n in gm.graph.nodes:
         cost = meta.find(n, NodeCost)
-        if cost is None or n.op in ("placeholder", "get_attr", "output"):
-            continue
-        on_image = any((e := _extent(a)) is not None and grid.fits(e)
-                       for a in [n, *_inputs(n)])
-        if not on_image:
+        if cost is None or n.op in ("placeholder", "get_attr", "output") or \
+                (stage_of is not None and stage_of.get(n, 0) >= stages):
             continue
         image += cost.flops
         lay = meta.find(n, SpatialLayout)
@@ -195,9 +204,13 @@ def coverage(gm: fx.GraphModule, grid: Grid) -> Coverage:
                         for a in _inputs(n))
         if lay is not None and (lay.tiled or (ins_tiled and not lay.reason)):
             tiled += cost.flops  # a tile op, or a reduction of tiles
-        elif not first and lay is not None and lay.reason:
+            continue
+        if cost.flops:
+            whole.append((cost.flops, _describe(gm, n)))
+        if not first and lay is not None and lay.reason:
             first = _explained(gm, n)
-    return Coverage(tiled, image, first)
+    whole.sort(key=lambda fw: -fw[0])
+    return Coverage(tiled, image, first, tuple((w, f) for f, w in whole[:LISTED]))
 
 
 def _operands(args: Any, direct: bool) -> Iterator[tuple[bool, fx.Node]]:
@@ -311,6 +324,7 @@ def limit_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             meta.put(n, SpatialLayout(False, reason))
         else:
             used.add(stage_of.get(n, 0))
+    gm.meta[Coverage.KEY] = coverage(gm, image_grid(gm), stage_of, plan.spatial_stages)
     missing = sorted(set(range(plan.spatial_stages)) - used)
     if missing:
         first = _first_end(gm)

@@ -68,6 +68,7 @@ import fxpar
 from fxpar import Plan, PlanError, TraceError
 from fxpar.cli.auto import AutoUsageError
 from fxpar.cli.inspect import UsageError
+from fxpar.cli.losses import LossArgError, make_loss
 from fxpar.comm import device as fxdevice
 from fxpar.comm import failfast
 from fxpar.comm import world as fxcomm
@@ -88,6 +89,19 @@ from fxpar.runtime.guard import NonFiniteError, ProgramFailed
 from fxpar.runtime.loop import ActionFailed
 from fxpar.runtime.materialize import MaterializeError
 from fxpar.testing import load_case
+
+
+def _running_sum_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y) + out.cumsum(2).mean()  # a running sum down the rows
+
+
+def _tile_loss_with(target: Any) -> None:
+    from fxpar.core.geometry import Grid
+    from fxpar.io.tileloss import TileLoss
+
+    TileLoss(None, F.cross_entropy, Grid(2, 1), (8, 8), 0, None, lambda: torch.device("cpu"),
+             False)(0, 0, torch.zeros(2, 3, 4, 8), target)  # type: ignore[arg-type]
+
 
 GROUPS: dict[str, str] = {
     "plan": "Plan fields",
@@ -312,12 +326,34 @@ CATALOGUE: list[Entry] = [
               conv_then(), nn.Flatten(), nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 3)))),
     Entry("spatial-coverage-strict", "spatial", "with Plan(strict=True), the spatial region "
           "runs too little of the model on tiles", PlanError,
-          r"the spatial region runs only \d+% of the forward FLOPs .*Plan\(strict=True\)",
+          r"the spatial region runs only \d+% of the spatial stages' forward FLOPs "
+          r".*Plan\(strict=True\)",
           "The message names the op that ends the region and where it is in the model's code; "
           "change that op, or accept the plan with strict=False (it then warns).",
           lambda: build(Plan(spatial_parts=2, strict=True), model=nn.Sequential(
               nn.Conv2d(3, 4, 3, padding=1), nn.PixelShuffle(2), nn.Conv2d(1, 8, 3, padding=1),
               nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 16 * 16, 3)))),
+    Entry("loss-joined-strict", "spatial", "with Plan(strict=True), a loss on a tiled output "
+          "with an op that has no tile rule", PlanError,
+          r"in the loss .*Plan\(strict=True\) refuses to join the output",
+          "The message names the op and the loss's line. Reduce over the image only with sums, "
+          "means, maxima or norms over all of H and W (or none of them), or accept the plan "
+          "with strict=False: the loss then runs on the joined output, exactly, with a "
+          "LossWarning.",
+          lambda: fxpar.compile(
+              nn.Conv2d(3, 3, 3, padding=1), Plan(spatial_parts=2, slice="horizontal",
+                                                  strict=True), (2, 3, 8, 8),
+              loss_fn=_running_sum_loss,
+              target=torch.empty(2, 8, 8, dtype=torch.int64, device="meta"))),
+    Entry("cli-loss-option", "cli", "fxpar-run --loss with an option that loss has not",
+          LossArgError, r"--loss tversky has no --class-weights",
+          "Drop the option, or choose a --loss that has it (fxpar-run --help lists them).",
+          lambda: make_loss("tversky", None, "1,2")),
+    Entry("loss-targets-not-tensors", "batch", "a tiled output's targets are not tensors",
+          TypeError, r"the loss of a tiled output takes tensors as targets",
+          "Pass the targets as a tensor, or a tuple of tensors such as (target, mask), each "
+          "with the batch first.",
+          lambda: _tile_loss_with({"mask": None})),
     # stages and pipelines
     Entry("stages-too-many", "stages", "more stages than compute nodes", PlanError,
           r"but the model has only \d+ compute nodes", "Use at most that many stages.",
@@ -801,6 +837,11 @@ INTERNAL = {
     "InjectedFault": "raised only when FXPAR_FAULT asks for it (a rehearsal); users meet it "
                      "wrapped in ActionFailed, whose entry covers it",
     "SavedOnly": "not an error: fxpar-run --save-program outside mpiexec ends after saving",
+    "NoRule": "a loss op without a tile rule (fxpar.frontend.rules.dims): caught by "
+              "fxpar.compiler.loss, which joins the output with a LossWarning or raises the "
+              "loss-joined-strict PlanError",
+    "LossCaptureError": "a loss torch.export cannot capture: caught by fxpar.compiler.loss, as "
+                        "NoRule",
 }
 """Error classes defined in fxpar/ or passes/ that users do not meet as such, and why."""
 

@@ -156,7 +156,9 @@ def test_adaptive_pooling_to_a_size_that_does_not_divide_the_map_is_a_reduction(
     assert region_ends(gm) == []
     pool = next(n for n in gm.graph.nodes if "adaptive_avg_pool2d" in n.name)
     assert classify(gm, pool) == Reduce("bins", True, (7, 7))
-    assert gm.meta[Coverage.KEY].share == 1.0
+    cov = gm.meta[Coverage.KEY]  # every convolution on tiles; the classifier runs whole
+    assert {what.split(" (")[0] for what, _ in cov.replicated} == {"aten.linear"}
+    assert cov.image - cov.tiled == sum(f for _, f in cov.replicated)
 
 
 class _PositionBias(nn.Module):
@@ -233,21 +235,27 @@ def test_tile_programs_print_their_halos():
 
 
 def test_coverage_counts_the_flops_on_tiles_and_warns_naming_the_op():
-    """Coverage = forward FLOPs of tiled ops / FLOPs of all ops on image tensors, computed
-    here by hand: only the first convolution runs on tiles (PixelShuffle has no rule)."""
+    """Coverage = forward FLOPs of tiled ops / FLOPs of every op the spatial stage runs,
+    computed here by hand: only the first convolution runs on tiles (PixelShuffle has no
+    rule); the rest, the linear head included, runs whole on every rank."""
     from fxpar.compiler.driver import CoverageWarning
     from fxpar.passes.spatial_region import Coverage
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.PixelShuffle(2),
                           nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1),
                           nn.Flatten(), nn.Linear(8 * 16 * 16, 3))
-    with pytest.warns(CoverageWarning, match=r"runs only 4% of the forward FLOPs on image "
-                      r"tensors on tiles .*region ends at 'pixel_shuffle': aten\.pixel_shuffle"):
+    with pytest.warns(CoverageWarning, match=r"runs only 4% of the spatial stages' forward "
+                      r"FLOPs on tiles \(the rest runs whole on every rank of the tile group; "
+                      r"the most: aten\.conv2d .*region ends at 'pixel_shuffle': "
+                      r"aten\.pixel_shuffle"):
         program = fxpar.compile(model, fxpar.Plan(spatial_parts=2), (4, 3, 8, 8))
     cov = program.traced.meta[Coverage.KEY]
     first = 2 * 4 * 3 * 9 * (4 * 8 * 8)
     rest = 2 * 8 * 1 * 9 * (4 * 16 * 16) + 2 * 8 * 8 * 9 * (4 * 16 * 16)
-    assert (cov.tiled, cov.image) == (first, first + rest)  # the linear head is in neither
+    head = 2 * 4 * (8 * 16 * 16) * 3
+    assert (cov.tiled, cov.image) == (first, first + rest + head)
+    assert [f for _, f in cov.replicated] == [2 * 8 * 8 * 9 * (4 * 16 * 16),
+                                             2 * 8 * 1 * 9 * (4 * 16 * 16), head]
 
 
 def test_a_model_tiled_to_its_head_has_full_coverage_and_no_warning():
@@ -259,4 +267,6 @@ def test_a_model_tiled_to_its_head_has_full_coverage_and_no_warning():
         warnings.simplefilter("error")
         program = fxpar.compile(torchvision.models.resnet18(), fxpar.Plan(spatial_parts=2),
                                 (2, 3, 64, 64))
-    assert program.traced.meta[Coverage.KEY].share == 1.0
+    cov = program.traced.meta[Coverage.KEY]  # all but the classifier, which every rank runs
+    assert [what.split(" (")[0] for what, _ in cov.replicated] == ["aten.linear"]
+    assert cov.image - cov.tiled == cov.replicated[0][1] == 2 * 2 * 512 * 1000

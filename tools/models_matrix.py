@@ -100,10 +100,12 @@ statistics and `num_batches_tracked`), `full_state_dict()` and the eval-mode out
 built with `num_classes=5` (segmentation: 3 classes), random weights, dropout and stochastic
 depth off (random masks are outside the contract).
 
-**Coverage** is the share of the forward FLOPs on image tensors (ops that read or make a 4-D
-tensor at least as large as the tile grid) that runs on tiles, from `fxpar-inspect` /
-`fxpar.passes.spatial_region.Coverage`; the classifier head after the global pool is in neither
-count. `fxpar.compile` warns below 90 % and `Plan(strict=True)` refuses it.
+**Coverage** is the share of the spatial stages' forward FLOPs that runs on tiles, from
+`fxpar-inspect` / `fxpar.passes.spatial_region.Coverage`: work every rank of the tile group
+runs whole (squeeze-excite's 1x1 convolutions on pooled vectors, pyramid-pooling branches, the
+classifier head) counts against it, so a rank runs about `(1 - coverage) + coverage / P` of
+one process's forward FLOPs (`tests/test_coverage.py` checks it against torch's FLOP counter).
+`fxpar.compile` warns below 90 % and `Plan(strict=True)` refuses it.
 
 {head}
 {rule}

@@ -101,8 +101,8 @@ def check_sync(graph: StageGraph, rank_map: RankMap) -> None:
 
 
 COVERAGE_WARN = 0.9
-"""A spatial plan whose region runs less than this share of the forward FLOPs on image
-tensors warns (raises with ``Plan(strict=True)``)."""
+"""A spatial plan whose tiles run less than this share of the spatial stages' forward FLOPs
+warns (raises with ``Plan(strict=True)``)."""
 
 
 class CoverageWarning(UserWarning):
@@ -114,8 +114,9 @@ def check_coverage(gm: fx.GraphModule, plan: Plan) -> None:
     cov = gm.meta.get(Coverage.KEY)
     if not plan.spatial or cov is None or cov.share >= COVERAGE_WARN:
         return
-    msg = (f"the spatial region runs only {cov.share:.0%} of the forward FLOPs on image "
-           f"tensors on tiles (the rest runs whole on every rank of the spatial stage): "
+    most = f"; the most: {cov.replicated[0][0]}" if cov.replicated else ""
+    msg = (f"the spatial region runs only {cov.share:.0%} of the spatial stages' forward "
+           f"FLOPs on tiles (the rest runs whole on every rank of the tile group{most}): "
            f"{cov.ended or 'it ends early'}")
     if plan.strict:
         raise PlanError(msg + " (Plan(strict=True); strict=False makes this a warning)")

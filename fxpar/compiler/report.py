@@ -136,8 +136,12 @@ def halo_table(program: Program) -> str:
              f"grid{over} ({'tiled' if info.out_tiled else 'replicated'} model output)"]
     cov = gm.meta.get(Coverage.KEY)
     if cov is not None:
-        lines.append(f"spatial coverage: {cov.share:.1%} of the forward FLOPs on image tensors "
+        lines.append(f"spatial coverage: {cov.share:.1%} of the spatial stages' forward FLOPs "
                      f"run on tiles ({cov.tiled / 1e9:.3g} of {cov.image / 1e9:.3g} GFLOP)")
+        if cov.replicated:
+            lines.append("  run whole on every rank of the tile group (forward FLOPs): " +
+                         ", ".join(f"{what} {flops / 1e6:.3g} M" for what, flops in
+                                   cov.replicated))
     lines += [f"  {reason}" for reason in region_ends(gm)]
     image = _input_extent(gm)
     sides = "f b t b l r" if grid.ndim == 3 else "t b l r"

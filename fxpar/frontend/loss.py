@@ -30,7 +30,7 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 
-from fxpar.frontend.capture import TraceError, _quiet_torch_logs, normalize
+from fxpar.frontend.capture import TraceError, _quiet_torch_logs, _short_file, normalize
 from fxpar.frontend.trace import analyze
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]
@@ -83,12 +83,12 @@ class _ConstantFactories(TorchFunctionMode):
 
 
 def _caller() -> str:
-    """The innermost frame outside torch and fxpar, as 'file:line' (site-packages cut)."""
+    """The innermost frame outside torch and fxpar, as 'file:line' (as :func:`where` writes
+    it: relative to site-packages or the working folder)."""
     for frame in reversed(traceback.extract_stack()):
         f = frame.filename
         if "/torch/" not in f and "/fxpar/" not in f and not f.startswith("<"):
-            cut = f.split("site-packages/")[-1]
-            return f"{cut}:{frame.lineno}"
+            return f"{_short_file(f)}:{frame.lineno}"
     return ""
 
 

@@ -14,8 +14,8 @@ maximum (one more allreduce) and each gives its own ``g / count``.
 
 Adaptive average pooling bin ``i`` of ``o`` over an extent ``E`` covers rows
 ``[floor(i E / o), ceil((i + 1) E / o))`` (ATen's ``start_index`` / ``end_index``). A tile
-sums its rows into the bins with a 0/1 matrix per dim (one ``einsum``), the allreduce adds the
-tiles, and the result is divided by the bins' sizes.
+sums the rows it holds of each bin, dim by dim, the allreduce adds the tiles, and the result is
+divided by the bins' sizes.
 """
 
 from __future__ import annotations
@@ -88,9 +88,7 @@ class TileReduce(TileOp):
         self.kind, self.key, self.keepdim = kind, key, keepdim
         self.extent, self.box = tuple(extent), tuple(tuple(iv) for iv in box)
         self.out = tuple(out)
-        if kind == "bins":  # the tile's cells into the bins along each dim, and bin sizes
-            self._maps = [bins(e, o, iv) for e, o, iv in
-                          zip(self.extent, self.out, self.box, strict=True)]
+        if kind == "bins":  # the bins' sizes
             sizes = torch.ones((), dtype=torch.float64)
             for i, (e, o) in enumerate(zip(self.extent, self.out, strict=True)):
                 shape = [1] * len(self.out)
@@ -115,11 +113,17 @@ class TileReduce(TileOp):
         return y if self.keepdim else y.flatten(2).squeeze(-1)
 
     def _bins(self, x: torch.Tensor) -> torch.Tensor:
-        letters = "dhw"[-len(self.out):]
-        outs = "ijk"[:len(self.out)]
-        spec = f"nc{letters}," + ",".join(f"{a}{b}" for a, b in zip(letters, outs,
-                                                                     strict=True))
-        part = torch.einsum(f"{spec}->nc{outs}", x, *(m.to(x) for m in self._maps))
+        """The tile's cells summed into the bins, dim by dim (plain sums of the rows each bin
+        holds: no matmul with the 0/1 maps, which would cost rows x bins multiply-adds)."""
+        part = x
+        for d, (e, o, (a, b)) in enumerate(zip(self.extent, self.out, self.box, strict=True)):
+            pieces = []
+            for i in range(o):
+                lo, hi = max((i * e) // o, a), min(-((-(i + 1) * e) // o), b)
+                rows = part.narrow(2 + d, lo - a, hi - lo) if hi > lo else \
+                    part.narrow(2 + d, 0, 0)  # none of the bin's rows is on this tile
+                pieces.append(rows.sum(2 + d, keepdim=True))
+            part = torch.cat(pieces, 2 + d)
         return group_sum(part, self.group()) / self._sizes.to(x)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,72 @@
+"""Coverage against a FLOP counter (run by tests/test_coverage.py): each rank of a real SP2 and
+SP4 job counts the forward FLOPs it executes (torch.utils.flop_counter), and their sum gives
+the share of one process's work the tiles split. It must match the compiler's figure
+(``Coverage.share``) within 1 %, for a model with work every rank runs whole: squeeze-excite
+1x1 convolutions on pooled vectors, a pyramid-pooling branch on bins that do not divide the
+map, and a classifier head after a flatten."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+from transparency import sub_comm
+
+import fxpar
+from fxpar.passes.spatial_region import Coverage
+
+
+class Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+                                  nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+        self.se = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(16, 64, 1), nn.ReLU(),
+                                nn.Conv2d(64, 16, 1), nn.Sigmoid())
+        self.pyramid = nn.Sequential(nn.AdaptiveAvgPool2d(3), nn.Conv2d(16, 32, 1))
+        self.head = nn.Linear(16 * 10 * 12, 10)
+
+    def forward(self, x):
+        y = self.stem(x)
+        y = y * self.se(y)
+        y = y + nn.functional.interpolate(self.pyramid(y).mean(1, keepdim=True), size=y.shape[2:])
+        return self.head(y.flatten(1))
+
+
+def _forward_flops(f, x) -> int:
+    with FlopCounterMode(display=False) as counter:
+        f(x)
+    return int(counter.get_total_flops())
+
+
+def _check(parts: int) -> None:
+    comm = sub_comm(parts)
+    if comm is None:
+        return
+    torch.manual_seed(0)
+    model = Mixed().eval()
+    x = torch.randn(2, 3, 10, 12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = fxpar.compile(model, fxpar.Plan(spatial_parts=parts, slice="square"), x)
+    share = program.traced.meta[Coverage.KEY].share
+    rp = program.local(comm).eval()
+    with torch.no_grad():
+        mine = _forward_flops(rp.forward, x)
+        one = _forward_flops(model, x)
+    total = sum(comm.allgather_object(mine))
+    measured = (parts * one - total) / ((parts - 1) * one)  # tiled share: P*one - sum = (P-1)*t
+    print(f"SP{parts}: coverage {share:.4f}, measured {measured:.4f} "
+          f"(ranks ran {total / one:.3f} x one process's forward FLOPs)")
+    assert 0.5 < share < 0.99, share  # the model keeps work off the tiles on purpose
+    assert abs(measured - share) <= 0.01, (measured, share)
+
+
+def case_coverage_matches_a_flop_counter_sp2():
+    _check(2)
+
+
+def case_coverage_matches_a_flop_counter_sp4():
+    _check(4)
