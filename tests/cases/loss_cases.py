@@ -203,11 +203,8 @@ LIBRARY = [("monai_dicece", "sp2", "monai_unet"), ("monai_dice", "sp2pp2", "mona
            ("smp_dice", "sp2", "smp_unet"), ("ce_ignore", "sp2dp2", "smp_unet"),
            ("monai_gdice", "grid212", "monai_segresnet"),
            ("monai_tversky", "sp4sq", "monai_segresnet")]
-"""(loss, plan, library model) triples CI runs; the matrix runs every loss on every model
-under every plan the model's sizes allow."""
-if os.environ.get("FXPAR_LOSS_MATRIX") == "1":
-    LIBRARY = [(a, b, m) for m, (_, shapes) in MODELS.items() if m != "segnet"
-               for a in LOSSES for b, (_, dims) in PLANS.items() if dims in shapes]
+"""(loss, plan, library model) triples, in CI and in the matrix (which adds every loss under
+every plan on the small net)."""
 
 for _loss, _plan in CHOSEN:
     globals()[f"case_{_loss}_{_plan}"] = (lambda a, b: lambda: run(a, b))(_loss, _plan)
