@@ -6,11 +6,12 @@ hypothesis draws a model (tests/fuzz/graphs.py: convs with random kernel / strid
 / dilation / groups, max and avg pools with ceil_mode and padding, BatchNorm, group and
 instance norm, ReLU, residual adds, channel concats across branches, earlier values and
 globally pooled branches, upsampling and interpolation, padding, channels-last blocks,
-adaptive pooling; odd and non-square images) and a plan of up to 4 ranks (spatial parts,
-slicing, spatial stages, stages, balance, micro-batches, schedule (zero-bubble and interleaved
-included), GEMS and its rounds, data parallelism). A plan that ``fxpar.compile`` rejects for
-that model with a PlanError (image too small for the tiles, a spatial stage without tiled
-work) is a legitimate rejection,
+adaptive pooling; odd and non-square images; a classifier head, or a segmentation head
+trained with a per-pixel mean, ``ignore_index``, a soft Dice or a masked mean) and a plan of up
+to 4 ranks (spatial parts, slicing, spatial stages, stages, balance, micro-batches, schedule
+(zero-bubble and interleaved included), GEMS and its rounds, data parallelism). A plan that
+``fxpar.compile`` rejects for that model with a PlanError (image too small for the tiles, a
+spatial stage without tiled work) is a legitimate rejection,
 counted; any other error, and any difference from the one-process result, fails and shrinks
 to a small example. Every example runs in one persistent ``mpiexec`` pool
 (tests/fuzz/pool.py).
@@ -32,6 +33,7 @@ import json
 import os
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -71,6 +73,15 @@ def triage(spec: Spec, plan_kw: dict[str, Any]) -> str:
     return ""
 
 
+def known_bug(spec: Spec, plan_kw: dict[str, Any]) -> str:
+    """Why the random run leaves a case out while its bug is open ('' if it does not):
+    test_known_open_bug keeps the bug in sight."""
+    plan = Plan(**plan_kw)
+    if plan.stages > 1 and spec["batch"] == plan.chunks():
+        return "known bug: a pipeline of one-sample micro-batches (test_known_open_bug)"
+    return ""
+
+
 def _settings() -> settings:
     common: dict[str, Any] = dict(deadline=None, database=None, print_blob=True,
                                   suppress_health_check=[HealthCheck.too_slow,
@@ -97,13 +108,16 @@ def test_random_cnns_and_plans_train_exactly_like_one_process(pool):
     @given(case=cases())
     def transparent(case: tuple[Spec, dict[str, Any]]) -> None:
         spec, plan = case
-        why = triage(spec, plan)
+        why = triage(spec, plan) or known_bug(spec, plan)
         stats[why.split(":")[0] if why else "checked"] += 1
         if why:
             stats[why[:90]] += 1
             reject()
         stats[f"checked on {Plan(**plan).world_size} rank(s)"] += 1
         stats[f"checked with schedule {plan['schedule']}"] += 1
+        if spec["head"] == "seg":
+            spatial = "tiled" if plan.get("spatial_parts", 1) > 1 else "whole"
+            stats[f"checked with loss {spec['loss']} ({spatial} output)"] += 1
         note(f"spec = {json.dumps(spec)}\nplan = {json.dumps(plan)}")
         outcome = pool.check(spec, plan)
         seconds.append(outcome.seconds)
@@ -125,6 +139,9 @@ def test_random_cnns_and_plans_train_exactly_like_one_process(pool):
                 print(f"  {count:4d}  {key}")
     # most drawn plans must suit their model, or the fuzzer tests little
     assert stats["checked"] > stats["rejected by compile"], stats
+    # a segmentation head's loss on tiles, other than a per-pixel mean, is drawn and checked
+    assert any(k.startswith("checked with loss") and "tiled" in k and " ce " not in k
+               for k in stats), stats
     assert stats["checked with schedule zero_bubble"] and (
         stats["checked with schedule interleaved_1f1b"] or
         stats["checked with schedule zero_bubble_v"]), stats
@@ -183,3 +200,21 @@ def test_the_fuzzers_findings_stay_fixed(pool):
             failures.append(f"{name}: spec = {json.dumps(spec)}, plan = {json.dumps(plan)}\n"
                             f"{outcome.report}")
     assert not failures, "\n".join(failures)
+
+
+OPEN = json.loads((Path(__file__).parent / "fuzz" / "open_bug.json").read_text())
+"""An open bug the fuzzer found (issue 36's session, when it drew segmentation heads; present
+before that work too, at da98fad): under a pipeline whose micro-batches hold one sample each
+(batch 5, 5 micro-batches, PP2 or PP3, GPipe), the first convolution's gradient is off by
+10-20x against one process; with 2 samples per micro-batch (batch 10) it is exact. Until it is
+fixed the random run leaves such plans out (triage says "known bug"), and this test fails on
+purpose (strict: it says so when the bug is gone)."""
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, reason="open: a pipeline of one-sample micro-batches (OPEN)")
+def test_known_open_bug(pool):
+    spec, plan = OPEN["spec"], OPEN["plan"]
+    outcome = pool.check(spec, plan, timeout=60)
+    assert outcome.passed, outcome.report

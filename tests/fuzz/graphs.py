@@ -131,7 +131,8 @@ class FuzzNet(nn.Module):
         self.head = spec["head"]
         self.pool = nn.AdaptiveAvgPool2d(1)
         c, (h, w) = chans[-1], shapes(spec)[-1]
-        self.fc = nn.Linear(c * h * w if self.head == "flatten" else c, spec["classes"])
+        self.fc = nn.Conv2d(c, spec["classes"], 1) if self.head == "seg" else \
+            nn.Linear(c * h * w if self.head == "flatten" else c, spec["classes"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         values = [x]
@@ -143,6 +144,8 @@ class FuzzNet(nn.Module):
             else:
                 values.append(self.layers[f"n{i}"](values[src[0]]))
         y = values[-1]
+        if self.head == "seg":  # one score per class and pixel: a loss on the (tiled) map
+            return self.fc(y)
         if self.head == "gap":
             y = torch.flatten(self.pool(y), 1)
         elif self.head == "mean":
@@ -169,7 +172,7 @@ def compute_nodes(spec: Spec) -> int:
     """Compute nodes of the traced model (what ``Plan.balance`` counts): one per node, then
     the head's (pool + flatten, mean, or flatten) and the Linear."""
     return sum(NODES.get(n["op"], 1) for n in spec["nodes"]) + \
-        {"gap": 2, "mean": 1, "flatten": 1}[spec["head"]] + 1
+        {"gap": 2, "mean": 1, "flatten": 1, "seg": 0}[spec["head"]] + 1
 
 
 # -- shapes ------------------------------------------------------------------------------------
@@ -381,10 +384,51 @@ def specs(draw: st.DrawFn, max_blocks: int = 5) -> Spec:
     for _ in range(draw(st.integers(1, max_blocks))):
         _block(draw, g)
     h, w = g.sizes[-1]
-    heads = ["gap", "mean"] + (["flatten"] if g.chans[-1] * h * w <= 512 else [])
+    heads = ["gap", "mean", "seg"] + (["flatten"] if g.chans[-1] * h * w <= 512 else [])
+    head = draw(st.sampled_from(heads))
     return {"seed": draw(st.integers(0, 2**16)), "batch": draw(st.integers(2, 8)),
             "channels": c, "size": list(hw), "classes": draw(st.integers(2, 6)),
-            "head": draw(st.sampled_from(heads)), "nodes": g.nodes}
+            "head": head, "nodes": g.nodes,
+            **({"loss": draw(st.sampled_from(sorted(LOSSES)))} if head == "seg" else {})}
+
+
+# -- the losses of a segmentation head ---------------------------------------------------------
+
+def _dice(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A soft Dice: per-class sums over the batch and the pixels, then their ratio."""
+    p = out.softmax(1)
+    onehot = torch.nn.functional.one_hot(y, out.shape[1]).permute(0, 3, 1, 2).to(p.dtype)
+    inter, total = (p * onehot).sum((0, 2, 3)), (p + onehot).sum((0, 2, 3))
+    return (1 - (2 * inter + 1e-3) / (total + 1e-3)).mean()
+
+
+def _masked(out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-pixel cross-entropy times a mask, summed, over the mask's sum."""
+    ce = torch.nn.functional.cross_entropy(out, y, reduction="none")
+    return (ce * mask).sum() / mask.sum().clamp_min(1)
+
+
+LOSSES = {
+    "ce": lambda out, y: torch.nn.functional.cross_entropy(out, y),
+    "ce_ignore": lambda out, y: torch.nn.functional.cross_entropy(out, y, ignore_index=1),
+    "dice": _dice,
+    "masked": _masked,
+}
+"""The losses a ``seg`` head trains with: a per-pixel mean, ``ignore_index``, a ratio of sums,
+a masked mean (each drawn; the target a label per pixel, and a mask for ``masked``)."""
+
+
+def targets(spec: Spec) -> Any:
+    """The targets of a ``seg`` spec's batch, from a generator: labels per output pixel (and a
+    0/1 mask for the masked loss)."""
+    (h, w), n = shapes(spec)[-1], spec["batch"]
+
+    def make(g: torch.Generator) -> Any:
+        y = torch.randint(0, spec["classes"], (n, h, w), generator=g)
+        if spec["loss"] != "masked":
+            return y
+        return y, (torch.rand((n, h, w), generator=g) > 0.4).double()
+    return make
 
 
 # -- drawing a plan ----------------------------------------------------------------------------

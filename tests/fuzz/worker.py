@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: trans
 from transparency import Case, check  # noqa: E402
 
 import fxpar  # noqa: E402
-from fuzz.graphs import build  # noqa: E402
+from fuzz.graphs import LOSSES, build, targets  # noqa: E402
 from fuzz.pool import FAILED, READY, RESULT  # noqa: E402
 from fxpar.comm.world import world  # noqa: E402
 
@@ -32,8 +32,11 @@ def run(request: dict) -> str:
     spec = request["spec"]
     shape = (spec["batch"], spec["channels"], *spec["size"])
     try:
+        seg = spec["head"] == "seg"
         check(Case(lambda: build(spec), shape, fxpar.Plan(**request["plan"]),
-                   classes=spec["classes"]))
+                   classes=spec["classes"], segmentation=seg,
+                   loss=LOSSES[spec["loss"]] if seg else None,
+                   targets=targets(spec) if seg else None))
     except BaseException:  # noqa: BLE001 - every failure is a result to report
         return traceback.format_exc()
     return ""
