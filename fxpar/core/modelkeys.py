@@ -97,9 +97,11 @@ def lookup(root: nn.Module, path: str) -> torch.Tensor | None:
     return t if t is not None else owner._buffers.get(leaf)
 
 
-def put_tensor(root: nn.Module, path: str, t: torch.Tensor) -> None:
-    """Attach ``t`` (a parameter, or a tensor as a buffer) at dotted ``path`` under ``root``,
-    making empty parent modules where there are none."""
+def put(root: nn.Module, path: str, value: nn.Module | torch.Tensor, *,
+        persistent: bool = True) -> None:
+    """Attach ``value`` at dotted ``path`` under ``root``, creating empty parent modules: a
+    module, a parameter, or (a plain tensor) a buffer. Generated stage modules call this
+    (through fxpar.io.emit)."""
     *parents, leaf = path.split(".")
     owner = root
     for name in parents:
@@ -108,10 +110,12 @@ def put_tensor(root: nn.Module, path: str, t: torch.Tensor) -> None:
             child = nn.Module()
             owner.add_module(name, child)
         owner = child
-    if isinstance(t, nn.Parameter):
-        owner.register_parameter(leaf, t)
+    if isinstance(value, nn.Module):
+        owner.add_module(leaf, value)
+    elif isinstance(value, nn.Parameter):
+        owner.register_parameter(leaf, value)
     else:
-        owner.register_buffer(leaf, t)
+        owner.register_buffer(leaf, value, persistent=persistent)
 
 
 def with_unused(keys: ModelKeys, names: Iterable[str], model: nn.Module,
@@ -132,14 +136,14 @@ def attach(module: nn.Module, keys: ModelKeys, source: nn.Module | None = None) 
         for name in keys.unused:
             t = lookup(source, name)
             if t is not None and lookup(module, name) is None:
-                put_tensor(module, name, t)
+                put(module, name, t)
     held: dict[str, torch.Tensor] = {}
     for name, t in module.state_dict(keep_vars=True).items():
         held.setdefault(keys.canonical(name), t)
     for canonical, t in held.items():
         for key in keys.names_of(canonical):
             if lookup(module, key) is None:
-                put_tensor(module, key, t)
+                put(module, key, t)
 
 
 def complete(stages: Sequence[nn.Module], keys: ModelKeys, model: nn.Module) -> None:

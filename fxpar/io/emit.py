@@ -40,6 +40,7 @@ from torch import fx, nn
 
 from fxpar.core import meta
 from fxpar.core.meta import TensorInfo, module_path
+from fxpar.core.modelkeys import put
 from fxpar.core.plan import PlanError
 from fxpar.core.version import __version__
 from fxpar.io.layout import FORMAT, rank_folder, read_program, stage_folder
@@ -49,26 +50,6 @@ if TYPE_CHECKING:
 
 __all__ = ["program_json", "put", "rank_sources", "read_program", "save",
            "stage_source"]
-
-
-def put(root: nn.Module, path: str, value: nn.Module | torch.Tensor, *,
-        persistent: bool = True) -> None:
-    """Attach ``value`` at dotted ``path`` under ``root``, creating empty parent modules: a
-    module, a parameter, or (a plain tensor) a buffer. Generated stage modules call this."""
-    *parents, leaf = path.split(".")
-    owner = root
-    for name in parents:
-        child = owner._modules.get(name)
-        if child is None:
-            child = nn.Module()
-            owner.add_module(name, child)
-        owner = child
-    if isinstance(value, nn.Module):
-        owner.add_module(leaf, value)
-    elif isinstance(value, nn.Parameter):
-        owner.register_parameter(leaf, value)
-    else:
-        owner.register_buffer(leaf, value, persistent=persistent)
 
 
 # -- code generation --------------------------------------------------------------------------
