@@ -471,8 +471,8 @@ class RankProgram:
     def _on_device(self, v: Any) -> Any:
         """A batch tensor (or a tuple of them) on this rank's device (anything else as it
         is)."""
-        if isinstance(v, (tuple, list)):
-            return type(v)(self._on_device(t) for t in v)
+        if isinstance(v, tuple):
+            return tuple(self._on_device(t) for t in v)
         if isinstance(v, torch.Tensor) and v.device != self.device:
             return v.to(self.device)
         return v
@@ -694,7 +694,7 @@ def _split_target(y: Any, n: int) -> list[Any]:
         return [None] * n
     if isinstance(y, torch.Tensor):
         return list(torch.tensor_split(y, n))
-    if isinstance(y, (tuple, list)) and y and all(isinstance(t, torch.Tensor) for t in y):
+    if isinstance(y, tuple) and y and all(isinstance(t, torch.Tensor) for t in y):
         return [tuple(part) for part in zip(*(torch.tensor_split(t, n) for t in y),
                                             strict=True)]
     if n == 1:

@@ -75,9 +75,9 @@ class LossTiles:
 
 
 def targets_of(y: Any) -> tuple[Any, ...]:
-    """A chunk's targets as ``loss_fn``'s arguments after the output: a tuple or list of
-    tensors (a target and a mask) is several, anything else one."""
-    return tuple(y) if isinstance(y, (tuple, list)) else (y,)
+    """A chunk's targets as ``loss_fn``'s arguments after the output: a tuple (a target and a
+    mask) is several, anything else (a tensor, a list of per-image dicts) one."""
+    return y if isinstance(y, tuple) else (y,)
 
 
 @dataclass(frozen=True)
