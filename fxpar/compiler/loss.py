@@ -24,9 +24,10 @@ from fxpar.core.geometry import Grid
 from fxpar.core.plan import PlanError
 from fxpar.frontend.loss import CALLS_KEY, LossCaptureError, TensorSpec, capture_loss
 from fxpar.frontend.rules.dims import NoRule, propagate
+from fxpar.io.tileloss import joined_loss
 from fxpar.passes.tile_loss import tile_loss
 from fxpar.runtime.loop import LossTiles
-from fxpar.runtime.spatial.lossops import JoinedLoss, image_layout
+from fxpar.runtime.spatial.lossops import image_layout
 from fxpar.runtime.spatial.ops import group_key
 
 
@@ -56,9 +57,7 @@ def tiled_loss(loss_fn: Callable[..., torch.Tensor], grid: Grid, stage: int, str
             warnings.warn(f"the loss runs on the whole output, joined on every rank of the "
                           f"tile group (exact, but not spread): {reason}", LossWarning,
                           stacklevel=3)
-        rects = tuple(grid.tile_rect(extent, u) for u in range(grid.size))
-        return LossTiles(functools.partial(_joined, loss_fn, rects, stage, sliced), sliced,
-                         reason)
+        return joined_loss(loss_fn, grid, extent, stage, sliced, reason)
     return LossTiles(functools.partial(_tiles, gm, prop, grid, extent, stage), sliced)
 
 
@@ -78,12 +77,6 @@ class LossFactory:
             self._made[key] = tiled_loss(self.loss_fn, self.grid, self.stage, self.strict,
                                          output, targets, warn)
         return self._made[key]
-
-
-def _joined(loss_fn: Callable[..., torch.Tensor], rects: tuple, stage: int,
-            sliced: tuple[bool, ...], tile: int, copy: int) -> torch.nn.Module:
-    """The loss on the joined output; the per-pixel targets (``sliced``) joined too."""
-    return JoinedLoss(loss_fn, rects, tile, group_key(stage, copy), sliced)
 
 
 def _tiles(gm: fx.GraphModule, prop: object, grid: Grid, extent: tuple[int, ...], stage: int,

@@ -9,6 +9,7 @@ the output: exact for any loss.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,20 @@ Spec = tuple[tuple[int, ...], torch.dtype]
 LossTilesFactory = Callable[..., LossTiles]
 """``(output spec, target specs, warn) -> LossTiles`` (fxpar.compiler.loss.tiled_loss with the
 loss, grid, stage and strictness bound)."""
+
+
+def joined_loss(loss_fn: LossFn, grid: Grid, extent: tuple[int, ...], stage: int,
+                sliced: tuple[bool, ...], reason: str) -> LossTiles:
+    """The loss on the joined output of spatial stage ``stage``, the per-pixel targets
+    (``sliced``) joined too: exact for any loss (fxpar.compiler.loss's fallback, and a
+    program loaded from disk)."""
+    rects = tuple(grid.tile_rect(extent, u) for u in range(grid.size))
+    return LossTiles(functools.partial(_joined, loss_fn, rects, stage, sliced), sliced, reason)
+
+
+def _joined(loss_fn: LossFn, rects: tuple, stage: int, sliced: tuple[bool, ...], tile: int,
+            copy: int) -> nn.Module:
+    return JoinedLoss(loss_fn, rects, tile, group_key(stage, copy), sliced)
 
 
 class TileLoss:
@@ -45,12 +60,10 @@ class TileLoss:
             if self.factory is not None:
                 self.plans[key] = self.factory(output, targets, warn=self.speaks)
             else:  # no compiler here: join the output and the per-pixel targets
-                rects = tuple(self.grid.tile_rect(self.extent, u) for u in range(self.grid.size))
                 sliced = tuple(image_layout(s, self.extent) is not None for s, _ in targets)
-                self.plans[key] = LossTiles(
-                    lambda tile, copy: JoinedLoss(self.loss_fn, rects, tile,
-                                                  group_key(self.stage, copy), sliced),
-                    sliced, "a program loaded from disk joins its output")
+                self.plans[key] = joined_loss(self.loss_fn, self.grid, self.extent, self.stage,
+                                              sliced, "a program loaded from disk joins its "
+                                              "output")
         return self.plans[key]
 
     def __call__(self, copy: int, tile: int, output: torch.Tensor, target: Any) -> torch.Tensor:
