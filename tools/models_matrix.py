@@ -66,10 +66,19 @@ def main(argv: list[str] | None = None) -> int:
                 coverage[(model, plan)] = f"{float(m.group(1)):.1%}"
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                          capture_output=True).stdout.strip()
-    Path(args.out).write_text(_page(models, cells, coverage, failures, seconds, rev))
+    out = Path(args.out)
+    kept = _kept_sections(out.read_text()) if out.exists() else ""
+    out.write_text(_page(models, cells, coverage, failures, seconds, rev) + kept)
     print(f"wrote {args.out}: {sum(v == 'exact' for v in cells.values())} of {len(cells)} "
           f"exact in {seconds:.0f} s")
     return 0 if not failures else 1
+
+
+def _kept_sections(page: str) -> str:
+    """The sections of ``page`` this tool does not write (the losses table, volumes, torch's
+    own bugs), to keep after the regenerated ones."""
+    parts = page.split("\n## ")[1:]
+    return "".join(f"\n## {p}" for p in parts if not p.startswith("Failures"))
 
 
 def _first_error(report: str) -> str:

@@ -114,9 +114,9 @@ class Pool:
             log.append(line)
 
     def check(self, spec: dict[str, Any], plan: dict[str, Any],
-              timeout: float | None = None) -> Outcome:
+              timeout: float | None = None, fix_torch: bool = False) -> Outcome:
         """Run ``transparency.check`` on the case; never waits longer than ``timeout`` (default:
-        the pool's)."""
+        the pool's). ``fix_torch``: the reference trains under tests/torchbugs.py's fixes."""
         if self._proc is not None and self._served >= self.recycle:
             self.close()
         if self._proc is None:
@@ -126,7 +126,8 @@ class Pool:
         tag = self._next_id
         self._served += 1
         try:
-            self._proc.stdin.write(json.dumps({"id": tag, "spec": spec, "plan": plan}) + "\n")
+            self._proc.stdin.write(json.dumps({"id": tag, "spec": spec, "plan": plan,
+                                              "fix_torch": fix_torch}) + "\n")
             self._proc.stdin.flush()
         except OSError as e:  # the pool died between cases
             self.close()

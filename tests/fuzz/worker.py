@@ -15,10 +15,12 @@ import json
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: transparency, fuzz
 
+from torchbugs import InstanceNormGradFix  # noqa: E402
 from transparency import Case, check  # noqa: E402
 
 import fxpar  # noqa: E402
@@ -36,7 +38,9 @@ def run(request: dict) -> str:
         check(Case(lambda: build(spec), shape, fxpar.Plan(**request["plan"]),
                    classes=spec["classes"], segmentation=seg,
                    loss=LOSSES[spec["loss"]] if seg else None,
-                   targets=targets(spec) if seg else None))
+                   targets=targets(spec) if seg else None,
+                   reference_mode=InstanceNormGradFix if request.get("fix_torch")
+                   else nullcontext))
     except BaseException:  # noqa: BLE001 - every failure is a result to report
         return traceback.format_exc()
     return ""
