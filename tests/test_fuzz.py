@@ -218,9 +218,15 @@ contiguous buffer and computes it right."""
 
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
-def test_fxpar_is_right_where_torch_is_not(pool):
-    spec, plan = TORCH_BUG["spec"], TORCH_BUG["plan"]
+@pytest.mark.parametrize("plan", [TORCH_BUG["plan"], {"spatial_parts": 3, "microbatches": 5}],
+                         ids=["pp3", "sp3"])
+def test_fxpar_is_right_where_torch_is_not(pool, plan):
+    """Also issue 36's "InstanceNorm (affine False) gradient bug on three uneven tiles" is the same
+    torch bug (fxpar's tiled instance norm is right; one process on a one-sample batch behind a
+    channels-last block is not)."""
+    spec = TORCH_BUG["spec"]
     outcome = pool.check(spec, plan, timeout=60, fix_torch=True)
     assert outcome.passed, outcome.report
-    if instance_norm_grad_bug():  # the random run leaves it out, and says why
+    if instance_norm_grad_bug():  # the random run leaves it out, and says why; unfixed, fails
         assert torch_bug(spec, plan).startswith("torch bug")
+        assert not pool.check(spec, plan, timeout=60).passed
