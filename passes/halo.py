@@ -35,6 +35,7 @@ from fxpar.frontend.rules.opclass import BatchNorm, Norm, Pointwise, Reduce, Win
 from fxpar.passes.halo_fusion import FUSION_KEY, FusedRegion, GroupInfo, fusion_groups
 from fxpar.passes.spatial_region import SpatialLayout, window_needs
 from fxpar.passes.split_stages import model_output
+from fxpar.runtime.spatial.haloconv import conv_weight_of_transposed
 from fxpar.runtime.spatial.interp import TileInterp
 from fxpar.runtime.spatial.norms import TileGroupNorm
 from fxpar.runtime.spatial.ops import (
@@ -135,6 +136,8 @@ def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, ex: Exchange, own: Rec
     args: tuple[Any, ...] = (x,)
     if op.kind == "conv":
         groups, w, b = _weights(n)
+        if op.attr("transposed"):  # a stride-1 transposed convolution, as a convolution
+            w = g.call_function(conv_weight_of_transposed, (w, groups))
         cfg = {"stride": op.s, "dilation": op.d, "groups": groups}
         args = (x, w) if b is None else (x, w, b)
     elif op.kind == "maxpool":

@@ -70,3 +70,36 @@ def case_coverage_matches_a_flop_counter_sp2():
 
 def case_coverage_matches_a_flop_counter_sp4():
     _check(4)
+
+
+class TransposedVolume(nn.Module):
+    """A stride-1 ConvTranspose3d between convolutions (a 3-D decoder's refining layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv3d(2, 8, 3, padding=1), nn.ReLU(),
+                                 nn.ConvTranspose3d(8, 8, 3, stride=1, padding=1), nn.ReLU(),
+                                 nn.Conv3d(8, 2, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def case_stride1_conv_transpose_splits_its_work():
+    """Issue 36: a stride-1 ConvTranspose3d on depth slabs ran a window padded on every dim
+    (the busiest rank 1.04x one process at 2 slabs); as a convolution each slab computes its
+    own rows: the busiest rank runs at most 0.55x one process's forward FLOPs."""
+    comm = sub_comm(2)
+    if comm is None:
+        return
+    torch.manual_seed(0)
+    model = TransposedVolume().eval()
+    x = torch.randn(1, 2, 16, 12, 12)
+    program = fxpar.compile(model, fxpar.Plan(spatial_parts=2), x)
+    rp = program.local(comm).eval()
+    with torch.no_grad():
+        mine = _forward_flops(rp.forward, x)
+        one = _forward_flops(model, x)
+    busiest = max(comm.allgather_object(mine)) / one
+    print(f"stride-1 ConvTranspose3d, 2 slabs: busiest rank {busiest:.3f}x one process")
+    assert busiest <= 0.55, busiest

@@ -150,6 +150,10 @@ OPS = {
     "conv_transpose": lambda: nn.Sequential(nn.Conv2d(3, 6, 3, padding=1),
                                             nn.ConvTranspose2d(6, 6, 2, stride=2),
                                             nn.ConvTranspose2d(6, 6, 3, stride=1, padding=1)),
+    "conv_transpose_s1_as_conv": lambda: nn.Sequential(  # a convolution on tiles (issue 36)
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.ConvTranspose2d(6, 6, 3, stride=1, padding=1, dilation=2, groups=2, output_padding=1),
+        nn.ConvTranspose2d(6, 6, (1, 3), stride=1)),
     "zero_pad_shift": lambda: nn.Sequential(nn.ZeroPad2d((-1, 1, -1, 1)), nn.Conv2d(3, 6, 1)),
     "channel_split": ChannelSplit,
     "channel_slice": ChannelSlice,

@@ -205,6 +205,13 @@ def _transposed(k: tuple[int, ...], s: tuple[int, ...], p: tuple[int, ...],
                 output_padding: tuple[int, ...], d: tuple[int, ...]) -> Op | None:
     if any(d[i] * (k[i] - 1) < s[i] - 1 for i in range(len(k))):
         return None  # output rows no tap reaches: not handled
+    lead = tuple(d[i] * (k[i] - 1) - p[i] for i in range(len(k)))
+    if all(v == 1 for v in s) and min(lead) >= 0:
+        # stride 1: the convolution with the kernel flipped and in/out channels swapped,
+        # padded by d (k - 1) - p in front (output_padding: the zero fill past the end). A
+        # tile computes only its own rows, as a convolution does
+        # (fxpar.runtime.spatial.haloconv.conv_weight_of_transposed)
+        return Window("conv", k, s, lead, d, attrs=(("transposed", True),))
     # output_padding only lengthens the output; its rows read the zero fill past the border
     return Window("convT", k, s, p, d, attrs=(("output_padding", output_padding),))
 

@@ -205,3 +205,13 @@ def tile_grads(g: torch.Tensor, x: torch.Tensor, split: Split, cfg: dict[str, An
         False, [0] * (g.dim() - 2), cfg["groups"], [want[0], want[1],
                                                      want[2] and bias is not None])
     return gx, gw, gb
+
+
+def conv_weight_of_transposed(w: torch.Tensor, groups: int) -> torch.Tensor:
+    """The convolution weight that computes a stride-1 transposed convolution of weight ``w``
+    (C_in x C_out/groups x k...): per group, in and out channels swapped, the kernel flipped.
+    conv_transpose(x, w, stride 1, padding p, dilation d) = conv(x, this, padding d (k - 1) - p,
+    dilation d), so a tile computes its own rows only (fxpar.frontend.rules.aten_ops)."""
+    c_in, c_out, *k = w.shape
+    w = w.reshape(groups, c_in // groups, c_out, *k).transpose(1, 2)
+    return w.reshape(groups * c_out, c_in // groups, *k).flip(list(range(2, 2 + len(k))))
