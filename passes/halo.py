@@ -32,6 +32,7 @@ from fxpar.core.geometry import Exchange, Grid, Rect, avg_counts, exchange
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.aten_ops import arg
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, Pointwise, Reduce, Window, classify
+from fxpar.frontend.rules.perpixel import SIZED
 from fxpar.passes.halo_fusion import FUSION_KEY, FusedRegion, GroupInfo, fusion_groups
 from fxpar.passes.spatial_region import SpatialLayout, window_needs
 from fxpar.passes.split_stages import model_output
@@ -231,12 +232,13 @@ def _island_entry(ctx: _Ctx, n: fx.Node) -> None:
 
 
 def _tile_reshape(ctx: _Ctx, n: fx.Node) -> None:
-    """A reshape that keeps the spatial dims last, with this tile's sizes there."""
+    """A reshape, view or expand that keeps the spatial dims last, with this tile's sizes there
+    (an expand's -1 stays -1)."""
     shape = _shape(n)
     nd = ctx.grid.ndim
     own = ctx.grid.tile_rect(tuple(shape[-nd:]), ctx.tile)
     sizes = list(n.args[1])
-    sizes[-nd:] = list(own.shape)
+    sizes[-nd:] = [-1 if s == -1 else v for s, v in zip(sizes[-nd:], own.shape, strict=True)]
     n.args = (n.args[0], sizes, *n.args[2:])
 
 
@@ -294,13 +296,15 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
             op = classify(gm, n)
             if isinstance(op, Window):
                 _window(ctx, n, op)
+            elif getattr(n.target, "overloadpacket", None) in SIZED:
+                if not meta.get(n, SpatialLayout).island:  # (N, C, H, W) to (N', C', H, W)
+                    n.args = (_as_tile(ctx, n, n.args[0]), *n.args[1:])
+                _tile_reshape(ctx, n)  # the tile's H and W
             elif isinstance(op, Pointwise):
                 # nested too: the operands of a cat come as one list
                 n.args = fx.node.map_arg(n.args, lambda a, n=n: _as_tile(ctx, n, a))
             elif isinstance(op, Norm):
                 _tile_norm(ctx, n, op)
-            elif getattr(n.target, "overloadpacket", None) in (aten.reshape, aten.view):
-                _tile_reshape(ctx, n)  # inside a per-pixel island: the tile's H and W
             elif isinstance(op, BatchNorm):  # fxpar.frontend.capture's BatchNormOp
                 _tile_batch_norm(ctx, n)
             continue

@@ -29,6 +29,7 @@ from fxpar.core.plan import Plan, PlanError
 from fxpar.frontend.capture import where
 from fxpar.frontend.rules.islands import find_islands
 from fxpar.frontend.rules.opclass import Pointwise, Reduce, Window, classify, why_not
+from fxpar.frontend.rules.perpixel import RULES as PER_PIXEL
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,8 @@ def _whole_operand(n: fx.Node, tiled: set[fx.Node], grid: Grid, ext: tuple[int, 
         shape = info.shape
         if direct and len(shape) == len(ext) + 2 and tuple(shape[2:]) == ext:
             continue
+        if getattr(n.target, "overloadpacket", None) in PER_PIXEL and len(shape) < len(ext) + 2:
+            continue  # an index list (index_select's, x[:, idx]'s), not a broadcast operand
         trailing = (1,) * max(0, grid.ndim - len(shape)) + tuple(shape[-grid.ndim:])
         if any(size > 1 and parts > 1 for size, parts in
                zip(trailing[-grid.ndim:], grid.parts, strict=True)):

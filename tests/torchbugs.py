@@ -1,7 +1,8 @@
 """Bugs of the torch under test that make a one-process reference wrong, each with a probe
 that finds it in this torch (so the workaround retires itself once torch is fixed).
 
-``instance_norm``'s backward on CPU (seen in torch 2.14.1): with one sample (N = 1) and a
+``instance_norm``'s backward on CPU (torch 2.14.1 and 2.11.0, float32 and float64; CUDA is
+right): with one sample (N = 1) and a
 gradient laid out channels-last (what a ``permute(0, 2, 3, 1)`` ... ``permute(0, 3, 1, 2)``
 block such as ConvNeXt's hands back), the input's gradient is wrong by O(1) -- InstanceNorm2d
 and 3d, affine or not; N >= 2, 1-D, group_norm and batch_norm are right. A pipeline stage

@@ -86,6 +86,31 @@ class Attention(nn.Module):
         return x + torch.tanh(x.sum((2, 3), keepdim=True) / 100)
 
 
+class PerPixel(nn.Module):
+    """Ops on the batch and channel dims only, each of which used to end the region (issue 36,
+    fxpar.frontend.rules.perpixel): unsqueeze / squeeze round trips, reshapes of N and C, H/W
+    transposed and back, channel picks (select, index_select, x[:, idx], gather), max / argmax
+    / min over channels with and without keepdim, softmax, var, norms, batch reductions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 6, 3, padding=1)
+        self.register_buffer("order", torch.tensor([2, 0, 3, 1]))
+
+    def forward(self, x):
+        y = self.a(x)                                                   # N, 4, H, W
+        y = (y.unsqueeze(1) * 0.5).squeeze(1) + y[:, 0].unsqueeze(1)     # N, 1, C, H, W; N, H, W
+        y = torch.relu(y.reshape(-1, 1, *y.shape[2:])).reshape(y.shape)  # N * C, 1, H, W
+        y = (y.transpose(2, 3) * 2).transpose(2, 3).index_select(1, self.order)
+        values, where = y.max(dim=1)                                    # N, H, W each
+        y = y[:, self.order] - values.unsqueeze(1) + where.unsqueeze(1) * 0.1
+        y = y.gather(1, y.argsort(1)) + y.argmax(1, keepdim=True) * 0.1
+        y = y.softmax(1) + y / (y.var(1, keepdim=True) + 1) + y.amin(1, keepdim=True)
+        y = y / (y.norm(dim=1, keepdim=True) + 1) - y.mean(0, keepdim=True) + y.sum(0) * 0.1
+        return self.b(y)
+
+
 class StackShuffle(nn.Module):
     """Selective kernels (branches stacked on dim 1, softmax attention over them, summed),
     FPN's merge (stacked on dim 0, summed), ShuffleNet's channel shuffle (view, transpose,
@@ -154,6 +179,7 @@ OPS = {
         nn.Conv2d(3, 6, 3, padding=1),
         nn.ConvTranspose2d(6, 6, 3, stride=1, padding=1, dilation=2, groups=2, output_padding=1),
         nn.ConvTranspose2d(6, 6, (1, 3), stride=1)),
+    "per_pixel": PerPixel,
     "zero_pad_shift": lambda: nn.Sequential(nn.ZeroPad2d((-1, 1, -1, 1)), nn.Conv2d(3, 6, 1)),
     "channel_split": ChannelSplit,
     "channel_slice": ChannelSlice,

@@ -103,8 +103,28 @@ class Pads(nn.Module):
         return self.fc(torch.cat([cat.amax((2, 3, 4)), cat.sum((2, 3, 4)) / 100], 1))
 
 
+class PerPixel(nn.Module):
+    """Ops on the batch and channel dims of a volume (issue 36, fxpar.frontend.rules.perpixel):
+    max over channels (values and indices), unsqueeze / squeeze, a channel select, a reshape
+    of N and C around a softmax, a sum over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv3d(2, 4, 3, padding=1)
+        self.b = nn.Conv3d(4, 5, 3, padding=1)
+
+    def forward(self, x):
+        y = self.a(x)
+        values, where = y.max(dim=1)                                    # N, D, H, W each
+        y = (y.unsqueeze(1) * 2).squeeze(1) - values.unsqueeze(1) + where.unsqueeze(1) * 0.1
+        y = y + y[:, 1].unsqueeze(1)
+        y = y.reshape(-1, 2, *y.shape[2:]).softmax(1).reshape(y.shape) - y.sum(0) * 0.1
+        return self.b(y).mean((2, 3, 4))
+
+
 OPS = {"convs": (convs, (2, 2, 11, 13, 9)), "pools": (Pools, (2, 2, 13, 11, 14)),
-       "upsampling": (Upsampling, (2, 2, 10, 12, 14)), "pads": (Pads, (2, 2, 11, 10, 13))}
+       "upsampling": (Upsampling, (2, 2, 10, 12, 14)), "pads": (Pads, (2, 2, 11, 10, 13)),
+       "per_pixel": (PerPixel, (2, 2, 7, 6, 5))}
 GRIDS = {"slab2": P(spatial_parts=2, slice="slab"), "pencil4": P(spatial_parts=4,
                                                                     slice="pencil"),
          "cube8": P(spatial_parts=8, slice="cube"), "grid312": P(grid=(3, 1, 2)),

@@ -40,10 +40,17 @@ MAX_EXTENT = 48
 MAX_RANKS = 4
 """The pool's size: every drawn plan needs at most this many ranks."""
 BLOCKS = ("relu", "bn", "conv", "maxpool", "avgpool", "residual", "concat", "upsample",
-          "adaptive", "groupnorm", "instancenorm", "pad", "interpolate", "channels_last")
+          "adaptive", "groupnorm", "instancenorm", "pad", "interpolate", "channels_last",
+          "perpixel")
 NODES = {"channels_last": 4}
 """Captured (ATen) compute nodes of a spec node, where more than one: permute, layer_norm,
 linear, permute."""
+PER_PIXEL = {  # variant: captured compute nodes
+    "unsqueeze": 3, "reshape_nc": 3, "transpose_hw": 3, "select": 3, "index_select": 1,
+    "max_c": 5, "argmax_c": 2, "batch_mean": 2, "batch_sum": 2, "softmax_c": 1,
+}
+"""Ops on the batch and channel dims only (issue 36's region ends that are gone): the variants
+of a "perpixel" node."""
 
 
 class ChannelsLast(nn.Module):
@@ -55,6 +62,37 @@ class ChannelsLast(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.norm(x.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+
+
+class PerPixel(nn.Module):
+    """One op (or round trip) on the batch and channel dims, back to the input's shape."""
+
+    def __init__(self, variant: str, c: int) -> None:
+        super().__init__()
+        self.variant = variant
+        self.register_buffer("order", torch.arange(c - 1, -1, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: PLR0911 - one line each
+        v = self.variant
+        if v == "unsqueeze":
+            return (x.unsqueeze(1) * 0.5).squeeze(1)
+        if v == "reshape_nc":
+            return torch.relu(x.reshape(-1, 1, *x.shape[2:])).reshape(x.shape)
+        if v == "transpose_hw":
+            return (x.transpose(2, 3) * 2.0).transpose(2, 3)
+        if v == "select":
+            return x * x[:, 0].unsqueeze(1)
+        if v == "index_select":
+            return x.index_select(1, self.order)
+        if v == "max_c":
+            return x - x.max(dim=1)[0].unsqueeze(1)
+        if v == "argmax_c":
+            return x * x.argmax(1, keepdim=True)
+        if v == "batch_mean":
+            return x - x.mean(0, keepdim=True)
+        if v == "batch_sum":
+            return x - x.sum(0)
+        return x.softmax(1)
 
 
 class Interpolate(nn.Module):
@@ -110,6 +148,8 @@ def _module(node: Spec, c_in: int) -> nn.Module:
         return Interpolate(node)
     if op == "channels_last":
         return ChannelsLast(c_in)
+    if op == "perpixel":
+        return PerPixel(node["variant"], c_in)
     raise ValueError(f"unknown fuzz op {op!r}")
 
 
@@ -171,7 +211,8 @@ def build(spec: Spec) -> FuzzNet:
 def compute_nodes(spec: Spec) -> int:
     """Compute nodes of the traced model (what ``Plan.balance`` counts): one per node, then
     the head's (pool + flatten, mean, or flatten) and the Linear."""
-    return sum(NODES.get(n["op"], 1) for n in spec["nodes"]) + \
+    return sum(PER_PIXEL[n["variant"]] if n["op"] == "perpixel" else NODES.get(n["op"], 1)
+               for n in spec["nodes"]) + \
         {"gap": 2, "mean": 1, "flatten": 1, "seg": 0}[spec["head"]] + 1
 
 
@@ -369,6 +410,8 @@ def _block(draw: st.DrawFn, g: _Graph) -> None:
         g.add(node)
     elif kind == "channels_last":
         g.add({"op": kind, "src": [x]})
+    elif kind == "perpixel":
+        g.add({"op": kind, "src": [x], "variant": draw(st.sampled_from(sorted(PER_PIXEL)))})
     else:  # adaptive average pooling to a smaller size: ends a spatial region
         g.add({"op": "adaptive", "src": [x],
                "out": [draw(st.integers(1, h)), draw(st.integers(1, w))]})

@@ -31,11 +31,12 @@ from torch import fx
 from fxpar.core import meta
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.aten_ops import POINTWISE, arg
+from fxpar.frontend.rules.perpixel import keeps_layout, per_pixel
 
 aten = torch.ops.aten
 TO_LAST = [0, 2, 3, 1]
 TO_FIRST = [0, 3, 1, 2]
-Dims = tuple[int, int]  # where H and W are, counted from the end (NCHW: (-2, -1))
+Dims = tuple[int, ...]  # where H and W (D, H, W) are, counted from the end (NCHW: (-2, -1))
 
 
 def _packet(n: fx.Node) -> object:
@@ -47,8 +48,27 @@ def _shape(n: object) -> tuple[int, ...] | None:
     return info.shape if info is not None and len(info.shapes) == 1 else None
 
 
+def _last(dims: Dims) -> bool:
+    """Are the spatial dims the last ones, in order ((-2, -1), or (-3, -2, -1) for a volume)?"""
+    return dims == tuple(range(-len(dims), 0))
+
+
+def _swap(n: fx.Node) -> bool:
+    """H and W swapped: ``transpose(2, 3)``, ``permute(0, 1, 3, 2)`` of an (N, C, H, W) value."""
+    if _packet(n) is aten.transpose:
+        return sorted(int(arg(n, i, 0)) % 4 for i in (1, 2)) == [2, 3]
+    return _packet(n) is aten.permute and [int(d) % 4 for d in arg(n, 1, [])] == [0, 1, 3, 2]
+
+
 def _entry(n: fx.Node) -> Dims | None:
     """Where H and W go if ``n`` starts an island, else None."""
+    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    xs = _shape(x)
+    if xs is not None and len(xs) in (4, 5) and per_pixel(n, len(xs) - 2) and \
+            not keeps_layout(n):  # x.max(dim=1), x.unsqueeze(1), x[:, 0], x.sum(0)
+        return tuple(range(2 - len(xs), 0))
+    if xs is not None and len(xs) == 4 and _swap(n):
+        return (-1, -2)
     if _packet(n) is aten.stack:  # N x C x H x W pieces stacked along a dim before H
         pieces, out = n.args[0], _shape(n)
         shapes = {_shape(a) for a in pieces}
@@ -68,8 +88,19 @@ def _entry(n: fx.Node) -> Dims | None:
     return None
 
 
-def _exit(n: fx.Node, dims: Dims) -> bool:
+def _exit(n: fx.Node, dims: Dims, member: set[fx.Node]) -> bool:
     """Does ``n`` take a member back to (N, C, H, W)?"""
+    if dims == (-1, -2):
+        return _swap(n)
+    if _last(dims) and per_pixel(n, len(dims)) and \
+            all(len(s) == len(dims) + 2 for s in meta.get(n, TensorInfo).shapes):
+        return True
+    if _last(dims) and _packet(n) in POINTWISE:  # x - x.sum(0): broadcast back to N, C, H, W
+        out, nd = _shape(n), len(dims)
+        return out is not None and len(out) == nd + 2 and all(
+            s is not None and (s[-nd:] == out[-nd:] and (a in member or len(s) == nd + 2)
+                               or all(v == 1 for v in s[-nd:]))
+            for a, s in ((a, _shape(a)) for a in n.all_input_nodes))
     out = _shape(n)
     if out is None or len(out) != 4:
         return False
@@ -89,6 +120,8 @@ def _exit(n: fx.Node, dims: Dims) -> bool:
 
 def _per_pixel(n: fx.Node, member: set[fx.Node], dims: Dims) -> bool:
     """Does ``n`` (reading a member) act on each pixel alone?"""
+    if _last(dims) and n.args and n.args[0] in member and per_pixel(n, len(dims)):
+        return True  # works on the dims before H and W (fxpar.frontend.rules.perpixel)
     if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
         return False
     packet = n.target.overloadpacket
@@ -128,7 +161,7 @@ def find_islands(gm: fx.GraphModule) -> dict[fx.Node, str]:
             for user in todo.pop().users:
                 if user in members or user in exits:
                     continue
-                if _exit(user, dims):
+                if _exit(user, dims, members):
                     exits.add(user)
                 elif _per_pixel(user, members, dims):
                     members.add(user)

@@ -16,6 +16,7 @@ from torch import fx
 
 from fxpar.frontend.rules import aten_ops
 from fxpar.frontend.rules.opkind import BatchNorm, Norm, Op, Pointwise, Reduce, Window
+from fxpar.frontend.rules.perpixel import keeps_layout
 
 __all__ = ["BatchNorm", "Norm", "Op", "Pointwise", "Reduce", "Window", "classify", "why_not"]
 
@@ -25,7 +26,8 @@ def classify(gm: fx.GraphModule, n: fx.Node) -> Op | None:
     if n.op == "call_module":  # fxpar's mode-following BatchNorm / dropout
         return aten_ops.classify_module(gm.get_submodule(str(n.target)), str(n.target))
     if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-        return aten_ops.classify_aten(n)
+        op = aten_ops.classify_aten(n)
+        return Pointwise() if op is None and keeps_layout(n) else op
     if n.op == "call_function" and n.target is operator.getitem and \
             isinstance(n.args[0], fx.Node) and isinstance(n.args[1], int):
         return Pointwise()  # one output of a channel split (aten.split): per pixel
