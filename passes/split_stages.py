@@ -27,7 +27,7 @@ import networkx as nx
 from torch import fx
 
 from fxpar.core import meta
-from fxpar.core.meta import NodeCost
+from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.plan import Plan, PlanError
 
 BYTE_COST = 8.0
@@ -195,12 +195,13 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 def _outside_islands(gm: fx.GraphModule, order: list[fx.Node], cuts: list[int],
                      plan: Plan) -> list[int]:
     """Cuts moved past any per-pixel island they would split (its tiles, with H and W outside
-    dims 2 and 3, cannot cross between stages): an explicit balance that splits one is an
-    error."""
+    dims 2 and 3, cannot cross between stages), and past the ``getitem`` s of an op with
+    several outputs (``x.max(dim=1)``: a stage sends tensors, not tuples): an explicit balance
+    that splits one is an error."""
     index = {n: i for i, n in enumerate(order)}
     spans = [(i, max((index.get(u, len(order)) for u in n.users), default=i))
              for i, n in enumerate(order)
-             if getattr(n.meta.get("fxpar.spatial"), "island", False)]
+             if getattr(n.meta.get("fxpar.spatial"), "island", False) or _several(n)]
     out: list[int] = []
     for p in cuts:
         q = p  # the stage after the cut starts at order[q]: no island value may cross it
@@ -208,8 +209,8 @@ def _outside_islands(gm: fx.GraphModule, order: list[fx.Node], cuts: list[int],
             q += 1
         if q != p and plan.balance is not None:
             raise PlanError(f"Plan.balance={plan.balance} cuts the model inside a per-pixel "
-                            f"block (ConvNeXt's permute .. permute, ResNeSt's split attention) at "
-                            f"node "
+                            f"block (ConvNeXt's permute .. permute, ResNeSt's split attention, "
+                            f"an op with several outputs and its getitems) at node "
                             f"{order[p].name!r}, whose tiles cannot cross stages: move that cut "
                             f"by {q - p} node(s)")
         if out and q <= out[-1] or q >= len(order):
@@ -217,6 +218,12 @@ def _outside_islands(gm: fx.GraphModule, order: list[fx.Node], cuts: list[int],
                             f"per-pixel blocks; use fewer stages or an explicit balance")
         out.append(q)
     return out
+
+
+def _several(n: fx.Node) -> bool:
+    """Does ``n`` have several tensor outputs (read through ``getitem``)?"""
+    info = meta.find(n, TensorInfo)
+    return info is not None and len(info.shapes) > 1
 
 
 def _is_parameter(gm: fx.GraphModule, target: str) -> bool:

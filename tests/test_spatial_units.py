@@ -3,6 +3,7 @@ real ops, exchanges on small grids, and the errors a user can hit."""
 
 import itertools
 import re
+import warnings
 
 import pytest
 import torch
@@ -270,3 +271,52 @@ def test_a_model_tiled_to_its_head_has_full_coverage_and_no_warning():
     cov = program.traced.meta[Coverage.KEY]  # all but the classifier, which every rank runs
     assert [what.split(" (")[0] for what, _ in cov.replicated] == ["aten.linear"]
     assert cov.image - cov.tiled == cov.replicated[0][1] == 2 * 2 * 512 * 1000
+
+
+PER_PIXEL_OPS = {  # each works on N and C only: the region goes on (issue 36, item 4)
+    "unsqueeze": lambda x: (x.unsqueeze(1) * 2).squeeze(1),
+    "reshape_nc": lambda x: torch.relu(x.reshape(-1, 1, *x.shape[2:])).reshape(x.shape),
+    "transpose_hw": lambda x: (x.transpose(2, 3) * 2).transpose(2, 3),
+    "select": lambda x: x * x[:, 0].unsqueeze(1),
+    "index": lambda x: x[:, [3, 1, 0, 2]],
+    "max_dim": lambda x: x - x.max(dim=1)[0].unsqueeze(1) + x.max(dim=1)[1].unsqueeze(1),
+    "argmax": lambda x: x * x.argmax(1, keepdim=True),
+    "gather_sort": lambda x: x.gather(1, x.argsort(1)),
+    "var_norm": lambda x: x / (x.var(1, keepdim=True) + x.norm(dim=1, keepdim=True) + 1),
+    "batch_sum": lambda x: x - x.sum(0),
+    "softmax": lambda x: x.softmax(1) + x.log_softmax(0),
+}
+NOT_PER_PIXEL = {  # along a split dim: the region must end
+    "softmax_w": lambda x: x.softmax(3),
+    "cumsum_w": lambda x: x.cumsum(3),
+    "flatten_hw": lambda x: x.flatten(2).unsqueeze(-1).reshape(x.shape),
+    "max_over_w": lambda x: x - x.max(dim=3, keepdim=True)[0],
+}
+
+
+class _Around(nn.Module):
+    def __init__(self, f) -> None:
+        super().__init__()
+        self.a, self.b, self.f = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), f
+
+    def forward(self, x):
+        return self.b(self.f(self.a(x)))
+
+
+@pytest.mark.parametrize("name", sorted(PER_PIXEL_OPS) + sorted(NOT_PER_PIXEL))
+def test_ops_on_batch_and_channels_keep_the_region(name):
+    f = PER_PIXEL_OPS.get(name) or NOT_PER_PIXEL[name]
+    program = fxpar.compile(_Around(f), fxpar.Plan(spatial_parts=2, slice="vertical"),
+                            torch.empty(2, 3, 8, 10, device="meta"))
+    ended = program.traced.meta[Coverage.KEY].ended
+    assert (ended == "") == (name in PER_PIXEL_OPS), ended
+
+
+def test_a_batch_op_under_a_plan_that_cuts_the_batch_warns():
+    model = _Around(lambda x: x - x.mean(0, keepdim=True))
+    example = torch.empty(4, 3, 8, 10, device="meta")
+    with pytest.warns(fxpar.compiler.driver.BatchWarning, match="4 chunks"):
+        fxpar.compile(model, fxpar.Plan(stages=2, microbatches=4), example)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the whole batch on every tile: nothing to say
+        fxpar.compile(model, fxpar.Plan(spatial_parts=2), example)

@@ -30,6 +30,8 @@ from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.roles import chunks_per_copy, stage_groups
 from fxpar.core.schedule import Links, Schedule, pipeline, place
 from fxpar.core.stages import StageGraph
+from fxpar.frontend.capture import where
+from fxpar.frontend.rules.perpixel import mixes_samples
 from fxpar.frontend.trace import check_model, trace
 from fxpar.io.program import OptimizerFactory, Program, SpatialInfo
 from fxpar.passes.halo import tile_stage
@@ -121,6 +123,25 @@ def check_coverage(gm: fx.GraphModule, plan: Plan) -> None:
     if plan.strict:
         raise PlanError(msg + " (Plan(strict=True); strict=False makes this a warning)")
     warnings.warn(msg, CoverageWarning, stacklevel=3)
+
+
+class BatchWarning(UserWarning):
+    """A model op that mixes the samples of a batch, under a plan that cuts the batch."""
+
+
+def check_batch_ops(gm: fx.GraphModule, plan: Plan) -> None:
+    """Warn when the model reduces, scans or picks along the batch dim (``x.mean(0)``) and the
+    plan cuts each batch into chunks: each chunk sees its own samples only (the contract, as
+    for BatchNorm's statistics), where one device on the whole batch sees them all."""
+    mixing = [n for n in gm.graph.nodes if mixes_samples(n)]
+    if not mixing or plan.chunks() == 1:
+        return
+    warnings.warn(
+        f"{len(mixing)} op(s) work along the batch dim, the first {mixing[0].target} "
+        f"({where(mixing[0])}): this plan cuts each batch into {plan.chunks()} chunks "
+        f"(data parallelism x GEMS copies x micro-batches) and each sees only its own "
+        f"samples, as with one device trained on those chunks in turn; one device on the whole "
+        f"batch would mix all of them", BatchWarning, stacklevel=3)
 
 
 def example_shape(example: torch.Tensor | Sequence[int] | None) -> tuple[int, ...]:
@@ -225,6 +246,7 @@ def compile(  # noqa: A001 - the public name the design fixes
     gm = trace(model, example)  # shapes are per micro-batch
     gm = run_passes(gm, plan, PASSES, after=after_pass)
     check_coverage(gm, plan)
+    check_batch_ops(gm, plan)
     graph = build_stages(gm)
     rank_map = RankMap(plan)
     check_sync(graph, rank_map)

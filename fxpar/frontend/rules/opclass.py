@@ -16,7 +16,7 @@ from torch import fx
 
 from fxpar.frontend.rules import aten_ops
 from fxpar.frontend.rules.opkind import BatchNorm, Norm, Op, Pointwise, Reduce, Window
-from fxpar.frontend.rules.perpixel import keeps_layout
+from fxpar.frontend.rules.perpixel import DIM_ARGS, keeps_layout
 
 __all__ = ["BatchNorm", "Norm", "Op", "Pointwise", "Reduce", "Window", "classify", "why_not"]
 
@@ -37,6 +37,11 @@ def classify(gm: fx.GraphModule, n: fx.Node) -> Op | None:
 def why_not(gm: fx.GraphModule, n: fx.Node) -> str:
     """Why :func:`classify` refuses ``n`` and what would let it run on tiles (for messages)."""
     if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+        packet = n.target.overloadpacket
+        if packet in DIM_ARGS and packet not in aten_ops.REDUCTIONS:
+            return (f"aten.{packet.__name__} works along a spatial dim (or every dim) here; "
+                    f"along the batch and channel dims only, it would run on tiles "
+                    f"(fxpar.frontend.rules.perpixel)")
         return aten_ops.why_not_aten(n)
     what = type(gm.get_submodule(str(n.target))).__name__ if n.op == "call_module" else \
         getattr(n.target, "__name__", str(n.target))

@@ -140,3 +140,22 @@ def keeps_layout(n: fx.Node) -> bool:
         return False
     rank = len(x[0])
     return per_pixel(n, rank - 2) and all(len(s) == rank for s in _shapes(n))
+
+
+def mixes_samples(n: fx.Node) -> bool:
+    """Does ``n`` reduce, scan or pick along the batch dim of an (N, C, ...) image value
+    (``x.mean(0)``, ``x.softmax(0)``, ``x[0]``)? Its result then depends on which samples are
+    in the batch: a micro-batch or a data-parallel replica sees only its own."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    packet = n.target.overloadpacket
+    x = _shapes(n.args[0]) if n.args else []
+    if packet not in DIM_ARGS or packet in (aten.unsqueeze, aten.squeeze) or len(x) != 1 or \
+            len(x[0]) not in (4, 5):
+        return False
+    pos, default = DIM_ARGS[packet]
+    names = [a.name for a in n.target._schema.arguments]
+    if pos >= len(names) or names[pos] not in ("dim", "dims"):
+        return False
+    dims = _dims(arg(n, pos, default), len(x[0]))
+    return dims is not None and 0 in dims
