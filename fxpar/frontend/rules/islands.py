@@ -76,15 +76,9 @@ def _entry(n: fx.Node) -> Dims | None:
         ok = out is not None and len(out) == 5 and len(shapes) == 1 and \
             None not in shapes and dim % 5 < 3
         return (-2, -1) if ok else None
-    x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-    xs, out = _shape(x), _shape(n)
-    if xs is None or out is None or len(xs) != 4:
-        return None
-    if _packet(n) is aten.permute and [int(d) % 4 for d in arg(n, 1, [])] == TO_LAST:
+    if xs is not None and len(xs) == 4 and _packet(n) is aten.permute and \
+            [int(d) % 4 for d in arg(n, 1, [])] == TO_LAST:
         return (-3, -2)
-    if _packet(n) in (aten.reshape, aten.view) and len(out) > 4 and out[0] == xs[0] and \
-            out[-2:] == xs[-2:] and list(arg(n, 1, []))[-2:] == list(xs[-2:]):
-        return (-2, -1)  # a channel dim split: H and W stay last, given explicitly
     return None
 
 
@@ -101,21 +95,9 @@ def _exit(n: fx.Node, dims: Dims, member: set[fx.Node]) -> bool:
             s is not None and (s[-nd:] == out[-nd:] and (a in member or len(s) == nd + 2)
                                or all(v == 1 for v in s[-nd:]))
             for a, s in ((a, _shape(a)) for a in n.all_input_nodes))
-    out = _shape(n)
-    if out is None or len(out) != 4:
-        return False
-    if dims == (-3, -2):
-        return _packet(n) is aten.permute and \
-            [int(d) % 4 for d in arg(n, 1, [])] == TO_FIRST
-    x = _shape(n.args[0])
-    if x is None or out[-2:] != x[-2:]:
-        return False
-    if _packet(n) in (aten.sum, aten.mean):  # over dims other than H and W: per pixel
-        reduced = arg(n, 1, [])
-        reduced = [reduced] if isinstance(reduced, int) else list(reduced or [])
-        return bool(reduced) and all(d % len(x) < len(x) - 2 for d in reduced)
-    return out[0] == x[0] and _packet(n) in (aten.reshape, aten.view) and \
-        list(arg(n, 1, []))[-2:] == list(out[-2:])
+    out = _shape(n)  # channels last: back by the inverse permute
+    return dims == (-3, -2) and out is not None and len(out) == 4 and \
+        _packet(n) is aten.permute and [int(d) % 4 for d in arg(n, 1, [])] == TO_FIRST
 
 
 def _per_pixel(n: fx.Node, member: set[fx.Node], dims: Dims) -> bool:

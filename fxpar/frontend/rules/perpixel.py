@@ -71,15 +71,22 @@ def _dims(v: Any, rank: int) -> list[int] | None:
     return [int(d) % rank for d in ([v] if isinstance(v, int) else v)]
 
 
-def _by_dim(n: fx.Node, x: tuple[int, ...], nd: int) -> bool:
+def _dim_arg(n: fx.Node, rank: int) -> list[int] | None:
+    """The dims a :data:`DIM_ARGS` op ``n`` works along, as 0..rank-1; None for every dim, or
+    for an overload without a dim argument there (max of two tensors, var's unbiased flag)."""
     pos, default = DIM_ARGS[n.target.overloadpacket]
     names = [a.name for a in n.target._schema.arguments]
-    if n.target.overloadpacket is aten.squeeze and "dim" not in names:
-        return True  # squeeze every size-1 dim: the output check keeps the spatial dims
     if pos >= len(names) or names[pos] not in ("dim", "dims"):
-        return False  # another overload (max of two tensors, var's unbiased flag, ...)
+        return None
+    return _dims(arg(n, pos, default), rank)
+
+
+def _by_dim(n: fx.Node, x: tuple[int, ...], nd: int) -> bool:
+    if n.target.overloadpacket is aten.squeeze and \
+            "dim" not in [a.name for a in n.target._schema.arguments]:
+        return True  # squeeze every size-1 dim: the output check keeps the spatial dims
     rank = len(x) + 1 if n.target.overloadpacket is aten.unsqueeze else len(x)
-    dims = _dims(arg(n, pos, default), rank)
+    dims = _dim_arg(n, rank)
     if dims is None:
         return False
     lead = rank - nd  # the dims before the spatial ones
@@ -153,9 +160,5 @@ def mixes_samples(n: fx.Node) -> bool:
     if packet not in DIM_ARGS or packet in (aten.unsqueeze, aten.squeeze) or len(x) != 1 or \
             len(x[0]) not in (4, 5):
         return False
-    pos, default = DIM_ARGS[packet]
-    names = [a.name for a in n.target._schema.arguments]
-    if pos >= len(names) or names[pos] not in ("dim", "dims"):
-        return False
-    dims = _dims(arg(n, pos, default), len(x[0]))
+    dims = _dim_arg(n, len(x[0]))
     return dims is not None and 0 in dims
