@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fxpar-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test lint demo clean
+.PHONY: install test test-quick lint demo clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+
+# the edit loop: the one-process tests (tests/unit) without the slow ones, no mpiexec
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/unit
 
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/demo.py

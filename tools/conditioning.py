@@ -1,7 +1,7 @@
 """How far one process's own results move when the input moves by rounding: the floor under
 which a compiled-vs-one-process difference is conditioning, not a bug.
 
-Trains a library model (tests/cases/library_cases.py) on one process exactly as the
+Trains a library model (tests/mpi/cases/library_cases.py) on one process exactly as the
 transparency check's reference does (float64, same seeds, the plan's micro-batches, 2 SGD steps
 with momentum and weight decay, then the eval forward), twice: once on the input ``x`` and once
 on ``x`` with every element moved by one unit in the last place (a random sign each), which is
@@ -28,11 +28,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
-sys.path[:0] = [str(TESTS), str(TESTS / "cases")]
+sys.path[:0] = [str(TESTS), str(TESTS / "mpi")]
 
-from equivalence import ATOL64_LATER, RTOL64, RTOL64_EVAL, reference_step  # noqa: E402
-from library_cases import MODELS, PLANS  # noqa: E402
-from transparency import sgd  # noqa: E402
+from cases.library_cases import MODELS, PLANS  # noqa: E402
+from helpers.equivalence import ATOL64_LATER, RTOL64, RTOL64_EVAL, reference_step  # noqa: E402
+from helpers.transparency import sgd  # noqa: E402
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

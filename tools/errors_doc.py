@@ -1,8 +1,8 @@
 """Render docs/errors.md: every error a user can hit, with its real message and the fix.
 
-The entries come from tests/errors_catalogue.py. Each entry's trigger is RUN (in a scratch
+The entries come from tests/helpers/errors_catalogue.py. Each entry's trigger is RUN (in a scratch
 folder, without MPI) and the message it raises is pasted in, so the page shows real output;
-tests/test_errors.py checks that the committed page equals a fresh render::
+tests/unit/test_errors.py checks that the committed page equals a fresh render::
 
     python tools/errors_doc.py            # rewrite docs/errors.md
     python tools/errors_doc.py --check    # exit 1 when docs/errors.md is stale
@@ -52,11 +52,11 @@ last section, "Runtime failures under mpiexec", is about failures during trainin
 
 
 def catalogue() -> ModuleType:
-    """tests/errors_catalogue.py, imported."""
+    """tests/helpers/errors_catalogue.py, imported."""
     tests = str(ROOT / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
-    import errors_catalogue
+    from helpers import errors_catalogue
 
     return errors_catalogue
 

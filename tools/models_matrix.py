@@ -1,4 +1,4 @@
-"""The public-model matrix: every model of tests/cases/library_cases.py under every plan, each
+"""The public-model matrix: every model of tests/mpi/cases/library_cases.py under every plan, each
 trained compiled and on one process in float64 under one real ``mpiexec`` (loss, every
 gradient, parameters after 2 SGD steps with momentum, every buffer, full_state_dict, eval
 output), with the spatial coverage of each SP plan. Writes docs/models.md.
@@ -20,9 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
-sys.path[:0] = [str(TESTS), str(TESTS / "cases")]
+sys.path[:0] = [str(TESTS), str(TESTS / "mpi")]
 
-from library_cases import MODELS, PLANS  # noqa: E402
+from cases.library_cases import MODELS, PLANS  # noqa: E402
 
 from fxpar.testing import run_cases  # noqa: E402
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results = {}
     for m in models:  # one launch per model: a failing case ends its launch, not the matrix
-        cases = [f"{TESTS / 'cases' / 'library_cases.py'}::case_{m}__{p}" for p in PLANS]
+        cases = [f"{TESTS / 'mpi' / 'cases' / 'library_cases.py'}::case_{m}__{p}" for p in PLANS]
         results.update(run_cases(cases, n=4, timeout=1800, pythonpath=[TESTS]))
         done = [r for c, r in results.items() if f"case_{m}__" in c]
         print(f"{m}: {sum(r.passed for r in done)} of {len(done)} exact "
@@ -113,7 +113,7 @@ depth off (random masks are outside the contract).
 `fxpar-inspect` / `fxpar.passes.spatial_region.Coverage`: work every rank of the tile group
 runs whole (squeeze-excite's 1x1 convolutions on pooled vectors, pyramid-pooling branches, the
 classifier head) counts against it, so a rank runs about `(1 - coverage) + coverage / P` of
-one process's forward FLOPs (`tests/test_coverage.py` checks it against torch's FLOP counter).
+one process's forward FLOPs (`tests/mpi/test_coverage.py` checks it against torch's FLOP counter).
 `fxpar.compile` warns below 90 % and `Plan(strict=True)` refuses it.
 
 {head}
@@ -123,7 +123,7 @@ one process's forward FLOPs (`tests/test_coverage.py` checks it against torch's 
 Library versions: {_versions()} (the test extras of `pyproject.toml`).
 segmentation-models-pytorch models use a `resnet18` encoder and `encoder_weights=None`;
 MONAI 2-D nets small channel counts; the exact builders are `MODELS` in
-`tests/cases/library_cases.py`. `make test` runs every model under SP2 and each other plan
+`tests/mpi/cases/library_cases.py`. `make test` runs every model under SP2 and each other plan
 on one model; `FXPAR_LIBRARY_MATRIX=1 make test` runs the whole matrix.
 
 {"## Failures" + chr(10) + chr(10) + chr(10).join(failures) if failures else "Every cell passed."}

@@ -1,4 +1,4 @@
-"""The pure summaries of ``tools/bench_pipeline.py`` (tested in tests/test_bench_pipeline.py):
+"""The pure summaries of ``tools/bench_pipeline.py`` (tested in tests/unit/test_bench_pipeline.py):
 bubble arithmetic, per-round ratios, tables, plots and the aims, from the launches' records.
 No torch, no MPI, no timing.
 

@@ -1,7 +1,7 @@
 """The fault matrix (issue 23): nothing hangs, nothing is lost -- measured.
 
 Each row injects one fault (``FXPAR_FAULT``, fxpar.core.faults) into a real ``mpiexec`` launch
-of ``fxpar-run`` (the tiny float32 classifier of tests/cases/jobs.py) under one layout, and
+of ``fxpar-run`` (the tiny float32 classifier of tests/mpi/cases/jobs.py) under one layout, and
 measures how long the job took to end (the launcher returned), its exit code, the key line it
 printed and how many times, and what was lost. Rows that involve checkpoints are several
 launches in a row (save, then resume). Writes docs/reliability.md (tools/reliability_report.py)
@@ -11,7 +11,7 @@ and docs/reliability.json (the raw numbers)::
     python tools/reliability.py --only stall          # every row of one fault (prints only)
     python tools/reliability.py --only raise/sp_pp    # one row; --write merges it into docs/
 
-tests/test_fault_matrix.py runs a subset of these very rows (:data:`ROWS`) and asserts
+tests/mpi/test_fault_matrix.py runs a subset of these very rows (:data:`ROWS`) and asserts
 :func:`check` finds nothing wrong.
 """
 

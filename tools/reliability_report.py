@@ -160,7 +160,7 @@ tools/reliability.py --rounds {run['rounds']}` on {run['date']} at {run['commit'
 output: [reliability.json](reliability.json). What each mechanism does, its settings and what
 it costs: [failures.md](failures.md).
 
-Each row is one real `mpiexec -n RANKS fxpar-run tests/cases/jobs.py:classifier --image-size
+Each row is one real `mpiexec -n RANKS fxpar-run tests/mpi/cases/jobs.py:classifier --image-size
 16 --batch-size 8 --num-classes 4 --dtype float32 --steps 3` (float32, synthetic data; 5
 steps for slow-rank, 4 for sigkill-resume; the layout's flags below) with
 `FXPAR_FAULT=RANK:STEP:KIND[:ARG]` set (fxpar.core.faults): rank 1 misbehaves in every
@@ -204,6 +204,6 @@ fxpar's fail-fast (MPI_Abort). Without `--checkpoint` a failed job loses what it
 {table(data)}
 
 Rerun one row: `python tools/reliability.py --only stall/sp_pp` (prints; add `--write` to
-merge it into this page). `tests/test_fault_matrix.py` runs a subset of these rows under
+merge it into this page). `tests/mpi/test_fault_matrix.py` runs a subset of these rows under
 `pytest -m mpi` and asserts the same checks.
 """

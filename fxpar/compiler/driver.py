@@ -188,9 +188,22 @@ def rank_schedules(rank_map: RankMap, links: Links, sync: bool | None = None) ->
                  lambda queues: interleave(queues, links, together=together))
 
 
+def as_plan(plan: object) -> Plan:
+    """``plan`` as a Plan: a Plan, None (one rank, ``Plan()``), or what ``fxpar.plan_auto``
+    returns (an AutoPlan: its chosen plan, the one it ranked first)."""
+    if plan is None:
+        return Plan()
+    chosen = plan if isinstance(plan, Plan) else getattr(plan, "plan", None)
+    if not isinstance(chosen, Plan):
+        raise TypeError(f"fxpar.compile needs plan=fxpar.Plan(...) or what fxpar.plan_auto "
+                        f"returns, got {type(plan).__name__}: build one with "
+                        f"fxpar.Plan(**fields)")
+    return chosen
+
+
 def compile(  # noqa: A001 - the public name the design fixes
     model: nn.Module,
-    plan: Plan | None = None,
+    plan: Plan | Any = None,
     example_input: torch.Tensor | Sequence[int] | None = None,
     *,
     loss_fn: LossFn = F.cross_entropy,
@@ -231,10 +244,7 @@ def compile(  # noqa: A001 - the public name the design fixes
     The program's modules share parameters with ``model``: training the program trains it.
     """
     check_model(model)
-    plan = plan if plan is not None else Plan()
-    if not isinstance(plan, Plan):
-        raise TypeError(f"fxpar.compile needs plan=fxpar.Plan(...), got "
-                        f"{type(plan).__name__}: build one with fxpar.Plan(**fields)")
+    plan = as_plan(plan)
     shape = example_shape(example_input)
     plan.check_batch(shape[0])
     mb_shape = (shape[0] // plan.chunks(), *shape[1:])

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxpar.compiler.driver import compile as fx_compile
 from fxpar.compiler.planspace import Estimate, ModelTable, analyse, evaluate
 from fxpar.compiler.profile import Profile
 from fxpar.core.geometry import Grid
@@ -262,8 +263,6 @@ def _with_balance(e: Estimate) -> Plan:
 
 def _checked(model: nn.Module, shape: tuple[int, ...], plan: Plan) -> Plan:
     """``plan`` if it compiles; else the same plan with the compiler's own cuts."""
-    from fxpar.compiler.driver import compile as fx_compile
-
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     example = torch.empty(shape, device="meta", dtype=dtype)
 

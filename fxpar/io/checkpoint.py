@@ -8,7 +8,7 @@ fxpar.io.checkpoint_folder describes the layout and why; this module writes and 
 
 Each rank writes only what it holds; a save costs three small collectives (the folder name,
 a gather of key names and shard checksums, the outcome). A failure on any rank raises the same
-CheckpointError on every rank and leaves ``latest`` alone. tests/test_checkpoint_crash.py kills
+CheckpointError on every rank and leaves ``latest`` alone. tests/mpi/test_checkpoint_crash.py kills
 a rank mid-save.
 
 Checksums: a rank serialises its shard into memory once, writes exactly those bytes, and sends

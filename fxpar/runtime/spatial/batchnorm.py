@@ -14,7 +14,7 @@ E[x^2] - E[x]^2 form loses every digit in float32 when the mean is large next to
 in Inception-v3. Tiles may hold different counts (uneven splits). The merge runs in float64
 on the C-sized statistics; only its result is cast to the input's dtype. Each tile's own mean
 comes rounded to the input's dtype (as in torch's SyncBatchNorm): in float32 at mean 1e4 and
-spread 1 that moves the merged variance by ~6e-6 relative (tests/test_batchnorm.py).
+spread 1 that moves the merged variance by ~6e-6 relative (tests/unit/test_batchnorm.py).
 
 Backward is exact: one allreduce of the two per-channel gradient sums (of gy and gy * xhat)
 the global statistics make every tile's input gradient depend on.

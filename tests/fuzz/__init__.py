@@ -1,1 +1,0 @@
-"""Fuzzed transparency: random small CNNs and random valid plans (tests/test_fuzz.py)."""

@@ -1,0 +1,134 @@
+"""Comm primitives on real ranks (run by tests/mpi/test_comm.py under mpiexec)."""
+
+import os
+import time
+
+import torch
+from torch import nn
+
+import fxpar
+from fxpar.comm.world import world
+
+
+def case_p2p_ring() -> None:
+    c = world()
+    nxt, prv = (c.rank + 1) % c.size, (c.rank - 1) % c.size
+    send = torch.arange(6, dtype=torch.float64).reshape(2, 3) + c.rank
+    recv = torch.empty(2, 3, dtype=torch.float64)
+    r1 = c.irecv(recv, prv, tag=3)
+    s1 = c.isend(send, nxt, tag=3)
+    c.waitall([s1, r1])
+    assert torch.equal(recv, torch.arange(6, dtype=torch.float64).reshape(2, 3) + prv)
+    # sendrecv, bfloat16 bit patterns and a non-contiguous send buffer
+    s = (torch.arange(8, dtype=torch.bfloat16).reshape(2, 4) * (c.rank + 1)).t()
+    r = torch.empty(4, 2, dtype=torch.bfloat16)
+    c.sendrecv(s, nxt, r, prv)
+    assert torch.equal(r, (torch.arange(8, dtype=torch.bfloat16).reshape(2, 4) * (prv + 1)).t())
+
+
+def case_recv_lands_in_place() -> None:
+    c = world()
+    if c.size < 2:
+        return
+    t = torch.zeros(5, dtype=torch.float32)
+    view = t[1:4]
+    if c.rank == 0:
+        c.send(torch.tensor([1.0, 2.0, 3.0]), 1)
+    elif c.rank == 1:
+        c.recv(view, 0)
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 0.0]
+
+
+def case_collectives() -> None:
+    c = world()
+    t = torch.full((3,), float(c.rank + 1), dtype=torch.float64)
+    c.allreduce(t)
+    n = c.size
+    assert torch.equal(t, torch.full((3,), n * (n + 1) / 2, dtype=torch.float64))
+    m = torch.tensor([float(c.rank)])
+    c.allreduce(m, op="max")
+    assert m.item() == n - 1
+    g = c.allgather(torch.tensor([c.rank, 10 * c.rank]))
+    assert [x.tolist() for x in g] == [[r, 10 * r] for r in range(n)]
+    got = c.gather(torch.tensor([float(c.rank)]), root=0)
+    if c.rank == 0:
+        assert got is not None and [x.item() for x in got] == list(range(n))
+    else:
+        assert got is None
+    b = torch.tensor([42.0 if c.rank == 0 else 0.0])
+    assert c.bcast(b).item() == 42.0
+    req = c.iallreduce(t2 := torch.ones(4))
+    req.wait()
+    assert torch.equal(t2, torch.full((4,), float(n)))
+    assert c.allgather_object({"r": c.rank}) == [{"r": r} for r in range(n)]
+
+
+def case_subcommunicators() -> None:
+    c = world()
+    half = c.split(c.rank % 2)
+    t = torch.tensor([float(c.rank)])
+    half.allreduce(t)
+    assert t.item() == sum(r for r in range(c.size) if r % 2 == c.rank % 2)
+    evens = [r for r in range(c.size) if r % 2 == 0]
+    g = c.group(evens)
+    if c.rank in evens:
+        assert g is not None and g.size == len(evens) and g.rank == evens.index(c.rank)
+    else:
+        assert g is None
+
+
+def case_fails_on_rank_1() -> None:
+    """A deliberate failure: rank 1 raises while rank 0 waits for it in a receive."""
+    c = world()
+    if c.rank == 1:
+        raise RuntimeError("injected failure on rank 1")
+    c.recv(torch.empty(1), 1)
+
+
+def case_fails_after_peers_left() -> None:
+    """The job's last case fails on rank 0 after every other rank has finished and exited."""
+    if world().rank == 0:
+        time.sleep(1.5)
+        raise RuntimeError("injected late failure on rank 0")
+
+
+class _Tiny(nn.Module):
+    """conv-BN-ReLU, conv, global mean, linear, BN: halos, BN allreduces, a pipeline cut with
+    BatchNorm statistics on both sides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                                  nn.Conv2d(4, 4, 3, padding=1))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 5)
+        self.bn = nn.BatchNorm1d(5)
+
+    def forward(self, x):
+        return self.bn(self.fc(torch.flatten(self.pool(self.body(x)), 1)))
+
+
+def case_device_paths() -> None:
+    """The GPU path's logic on CPU: host staging forced for every tensor (FXPAR_FORCE_STAGING)
+    and the torch.distributed backend (gloo) each train a 2-tile spatial plan and a 2-stage
+    pipeline exactly like one process (tests/helpers/transparency.py, float64, one step)."""
+    from helpers.transparency import Case, check
+
+    from fxpar.comm.torch_dist import TorchComm
+
+    for env in ({"FXPAR_FORCE_STAGING": "1"}, {"FXPAR_COMM": "torch"}):
+        os.environ.update(env)
+        try:
+            for plan in (fxpar.Plan(spatial_parts=2), fxpar.Plan(stages=2, microbatches=2)):
+                rp = check(Case(_Tiny, (4, 3, 9, 8), plan, steps=1))
+                if rp is None:
+                    continue
+                assert rp.comm is not None
+                if "FXPAR_COMM" in env:
+                    assert isinstance(rp.comm, TorchComm), type(rp.comm)
+                else:  # every message really went through host buffers, and they are reused
+                    staged = rp.comm._route.staging
+                    assert 0 < staged.allocated < 40, staged.allocated
+        finally:
+            for k in env:
+                del os.environ[k]

@@ -1,0 +1,70 @@
+"""GEMS, data parallelism and their combinations vs one process (run by tests/mpi/test_gems_dp.py).
+The reference is gradient accumulation over the same chunks, in replica, copy, round,
+micro-batch order; both GEMS copies and all replicas must end identical to it."""
+
+import torchvision.models as tvm
+from helpers.transparency import Case, check
+
+import fxpar
+from fxpar import models
+
+
+def _resnet18():
+    return tvm.resnet18(num_classes=5)
+
+
+def _amoebanet():
+    return models.build("amoebanet", num_classes=5, num_layers=3, num_filters=16)
+
+
+def _densenet():
+    return tvm.densenet121(num_classes=5)
+
+
+def P(**kw):  # noqa: N802
+    return fxpar.Plan(**kw)
+
+
+def case_gems_lp_resnet18():
+    check(Case(_resnet18, (4, 3, 32, 32), P(stages=2, gems=True)))
+
+
+def case_gems_pp_times2_amoebanet():
+    check(Case(_amoebanet, (16, 3, 32, 32), P(stages=2, microbatches=2, gems=True,
+                                             gems_times=2, schedule="1f1b")))
+
+
+def case_gems_odd_stages_densenet():
+    check(Case(_densenet, (4, 3, 32, 32), P(stages=3, gems=True)))
+
+
+def case_sp_gems_lp_resnet18():
+    check(Case(_resnet18, (4, 3, 64, 64), P(stages=2, spatial_parts=2, gems=True)))
+
+
+def case_sp_gems_pp_amoebanet():
+    check(Case(_amoebanet, (8, 3, 64, 64), P(stages=2, spatial_parts=2, slice="horizontal",
+                                             microbatches=2, gems=True)))
+
+
+def case_sp_dp_resnet18():
+    check(Case(_resnet18, (4, 3, 64, 64), P(spatial_parts=2, data_parallel=2)))
+
+
+def case_lp_dp_densenet():
+    rp = check(Case(_densenet, (4, 3, 32, 32), P(stages=2, data_parallel=2)))
+    if rp is not None:  # gradient sums started during backward, bucket by bucket
+        (sync,) = rp.syncs
+        assert sync.early >= max(1, len(sync.buckets) - 1), (sync.early, len(sync.buckets))
+
+
+def case_pp_dp_amoebanet():
+    check(Case(_amoebanet, (8, 3, 32, 32), P(stages=2, microbatches=2, data_parallel=2,
+                                             schedule="1f1b")))
+
+
+def case_full_5d_resnet18():
+    # 2 stages (stage 0 on 2 tiles) x GEMS x 2 replicas x 2 micro-batches: 6 ranks
+    check(Case(_resnet18, (16, 3, 64, 64), P(stages=2, spatial_parts=2, slice="vertical",
+                                              microbatches=2, gems=True, data_parallel=2)))
+

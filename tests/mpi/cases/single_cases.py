@@ -1,0 +1,13 @@
+"""Single-rank plans under a real mpiexec (run by tests/mpi/test_compile_single.py)."""
+
+import pytest
+import torch
+
+import fxpar
+
+
+def case_one_rank_plan_on_two_ranks() -> None:
+    program = fxpar.compile(torch.nn.Conv2d(3, 2, 1), fxpar.Plan(), (2, 3, 4, 4))
+    with pytest.raises(fxpar.PlanError, match="needs 1 ranks but the job has 2: run with "
+                       "`mpiexec -n 1`"):
+        program.local()

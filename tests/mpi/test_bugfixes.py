@@ -1,0 +1,19 @@
+"""Fixed bugs under a real mpiexec, exact vs one process (float64): parameters the forward
+never uses, and tensors the model reaches under two names (tests/mpi/cases/bugfix_cases.py)."""
+
+import pytest
+from helpers.launch import cases_in, check, launch
+
+CASES, NAMES = cases_in("bugfix_cases.py")
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(CASES, n=4, timeout=600)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", CASES, ids=NAMES)
+def test_bugfix(results, case):
+    check(results, case)

@@ -1,0 +1,20 @@
+"""Layer and pipeline parallelism under a real mpiexec, exact vs one process (float64):
+loss, every gradient, parameters after 2 SGD steps, BatchNorm buffers, eval forward."""
+
+import pytest
+from helpers.launch import cases_in, check, launch
+
+CASES, NAMES = cases_in("pipeline_cases.py")
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(CASES, n=4, timeout=900)
+
+
+@pytest.mark.parametrize("case", CASES, ids=NAMES)
+def test_pipeline_transparency(results, case):
+    check(results, case)
+
+

@@ -1,0 +1,30 @@
+"""Emitted programs, fxpar-run's driver, checkpoints and meta-device compilation under one real
+mpiexec launch (4 ranks): each case compares against one process in float64, or bitwise where
+the claim is bitwise (resume, save/load)."""
+
+from pathlib import Path
+
+import pytest
+from helpers.launch import PATHS
+
+from fxpar.testing import run_cases
+
+HERE = Path(__file__).parent / "cases"
+FILES = [HERE / f"{name}_cases.py" for name in ("emit", "checkpoint", "meta", "driver",
+                                                  "calibrate")]
+CASES = [f"{f}::{line.split('(')[0][4:]}" for f in FILES if f.exists()
+         for line in f.read_text().splitlines() if line.startswith("def case_")]
+IDS = [c.split("/")[-1].replace("_cases.py::", ":") for c in CASES]
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cases(CASES, n=4, timeout=900, pythonpath=PATHS)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_program_case(results, case):
+    results[case].check()
+    print(f"{case.split('::')[1]}: {results[case].seconds:.1f} s on rank 0")

@@ -1,0 +1,19 @@
+"""Zero-bubble (split backward) and interleaved schedules under a real mpiexec, exact vs one
+process (float64): loss, every gradient, parameters after 2 SGD steps, buffers."""
+
+import pytest
+from helpers.launch import cases_in, check, launch
+
+CASES, NAMES = cases_in("schedule_cases.py")
+# the launch runs 19 cases (about 9 min alone on 2 cores): past pytest-timeout's 600 s default
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(1800)]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(CASES, n=6, timeout=1700)
+
+
+@pytest.mark.parametrize("case", CASES, ids=NAMES)
+def test_schedule_transparency(results, case):
+    check(results, case)
