@@ -70,7 +70,11 @@ def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
     hides the verdict of another. ``timeout`` bounds all launches together.
 
     pythonpath: folders the case files import helpers from (prepended to PYTHONPATH)."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    # FXPAR_POLL: a rank waiting for a message or a collective sleeps between tests of it
+    # instead of spinning on a core the ranks still computing need (tests run more ranks than
+    # cores); fxpar.comm.mpi
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "FXPAR_POLL": os.environ.get("FXPAR_POLL", "0.0005"), **(env or {})}
     if pythonpath:
         full_env["PYTHONPATH"] = os.pathsep.join(
             [*map(str, pythonpath), *filter(None, [full_env.get("PYTHONPATH")])])
@@ -147,6 +151,9 @@ def _worker(folder: Path, cases: Sequence[str]) -> None:
     comm = world()
     rank = comm.rank
     for case in cases:
+        # every rank starts the case together; one done early sleeps meanwhile instead of
+        # spinning in the case's first collective on a core a busy rank needs
+        comm.barrier(poll=0.005)
         _marker(folder, case, rank, "start").touch()
         start = time.perf_counter()
         try:

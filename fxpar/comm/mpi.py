@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,20 +62,32 @@ def _buffer(t: torch.Tensor, *, writable: bool) -> np.ndarray:
     return _prepared(t, writable=writable).numpy()
 
 
+def _complete(req: Any, poll: float | None) -> None:
+    """Wait for an MPI request: MPI's own wait (a busy loop), or with ``poll`` seconds, test it
+    and sleep in between, leaving the core to a busy rank when ranks outnumber cores."""
+    if poll is None:
+        req.Wait()
+        return
+    while not req.Test():
+        time.sleep(poll)
+
+
 class Request:
     """A pending nonblocking operation; keeps its buffer alive until :meth:`wait`, then runs
     ``done`` once (a staged receive's copy into the device tensor, returning host buffers)."""
 
     def __init__(self, req: Any, keep: object, done: Callable[[], None] | None = None,
-                 what: Callable[[], str] = lambda: "a request") -> None:
+                 what: Callable[[], str] = lambda: "a request", poll: float | None = None
+                 ) -> None:
         self._req = req
         self._keep = keep
         self._done = done
         self._what = what
+        self._poll = poll
 
     def wait(self) -> None:
         with watching(self._what):
-            self._req.Wait()
+            _complete(self._req, self._poll)
         self._finish()
 
     def test(self) -> bool:
@@ -178,10 +191,14 @@ def _nothing() -> None:
 class _Route:
     """How a communicator family moves non-CPU tensors (shared by a world and its splits)."""
 
-    def __init__(self, stage: bool | None = None) -> None:
+    def __init__(self, stage: bool | None = None, poll: float | None = None) -> None:
         if stage is None:
             stage = os.environ.get("FXPAR_FORCE_STAGING", "0") not in ("", "0")
+        if poll is None and os.environ.get("FXPAR_POLL", "off") not in ("", "off"):
+            poll = float(os.environ["FXPAR_POLL"])
         self.force = stage
+        self.poll = poll
+        """Seconds between tests of a pending receive or collective (None: MPI's busy wait)."""
         self.staging = Staging()
         self._aware: bool | None = None
 
@@ -222,9 +239,9 @@ class Comm:
     ``FXPAR_FORCE_STAGING`` environment variable); for testing the GPU path without a GPU."""
 
     def __init__(self, mpi_comm: Any = None, stage: bool | None = None,
-                 route: _Route | None = None) -> None:
+                 route: _Route | None = None, poll: float | None = None) -> None:
         self._c = mpi_comm if mpi_comm is not None else _mpi().COMM_WORLD
-        self._route = route if route is not None else _Route(stage)
+        self._route = route if route is not None else _Route(stage, poll)
         self._plain = not self._route.force
         """CPU tensors go to MPI as they are (the fast path; False when staging is forced)."""
 
@@ -268,10 +285,11 @@ class Comm:
         if self._plain and t.device.type == "cpu":
             buf = _buffer(t, writable=False)
             return Request(self._c.Isend(buf, dest=dst, tag=tag), buf,
-                           what=lambda: self._p2p("send", t, "to", dst, tag))
+                           what=lambda: self._p2p("send", t, "to", dst, tag),
+                           poll=self._route.poll)
         buf, done = self._route.out(t)
         return Request(self._c.Isend(buf, dest=dst, tag=tag), buf, done,
-                       lambda: self._p2p("send", t, "to", dst, tag))
+                       lambda: self._p2p("send", t, "to", dst, tag), self._route.poll)
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Request:
         """Start receiving into ``t`` (contiguous) from ``src``; ``t`` holds the data once the
@@ -279,10 +297,11 @@ class Comm:
         if self._plain and t.device.type == "cpu":
             buf = _buffer(t, writable=True)
             return Request(self._c.Irecv(buf, source=src, tag=tag), buf,
-                           what=lambda: self._p2p("receive", t, "from", src, tag))
+                           what=lambda: self._p2p("receive", t, "from", src, tag),
+                           poll=self._route.poll)
         buf, done = self._route.into(t)
         return Request(self._c.Irecv(buf, source=src, tag=tag), buf, done,
-                       lambda: self._p2p("receive", t, "from", src, tag))
+                       lambda: self._p2p("receive", t, "from", src, tag), self._route.poll)
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         with watching(lambda: self._p2p("send", t, "to", dst, tag)):
@@ -290,10 +309,13 @@ class Comm:
 
     def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
         if self._plain and t.device.type == "cpu":
-            self._c.Send(_buffer(t, writable=False), dest=dst, tag=tag)
-            return
-        buf, done = self._route.out(t)
-        self._c.Send(buf, dest=dst, tag=tag)
+            buf, done = _buffer(t, writable=False), _nothing
+        else:
+            buf, done = self._route.out(t)
+        if self._route.poll is None:
+            self._c.Send(buf, dest=dst, tag=tag)
+        else:
+            _complete(self._c.Isend(buf, dest=dst, tag=tag), self._route.poll)
         done()
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
@@ -302,10 +324,13 @@ class Comm:
 
     def _recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         if self._plain and t.device.type == "cpu":
-            self._c.Recv(_buffer(t, writable=True), source=src, tag=tag)
-            return t
-        buf, done = self._route.into(t)
-        self._c.Recv(buf, source=src, tag=tag)
+            buf, done = _buffer(t, writable=True), _nothing
+        else:
+            buf, done = self._route.into(t)
+        if self._route.poll is None:
+            self._c.Recv(buf, source=src, tag=tag)
+        else:
+            _complete(self._c.Irecv(buf, source=src, tag=tag), self._route.poll)
         done()
         return t
 
@@ -318,12 +343,16 @@ class Comm:
     def _sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
                   tag: int) -> torch.Tensor:
         if self._plain and send.device.type == "cpu" and recv.device.type == "cpu":
-            self._c.Sendrecv(_buffer(send, writable=False), dest=dst, sendtag=tag,
-                             recvbuf=_buffer(recv, writable=True), source=src, recvtag=tag)
-            return recv
-        sbuf, sdone = self._route.out(send)
-        rbuf, rdone = self._route.into(recv)
-        self._c.Sendrecv(sbuf, dest=dst, sendtag=tag, recvbuf=rbuf, source=src, recvtag=tag)
+            sbuf, sdone = _buffer(send, writable=False), _nothing
+            rbuf, rdone = _buffer(recv, writable=True), _nothing
+        else:
+            sbuf, sdone = self._route.out(send)
+            rbuf, rdone = self._route.into(recv)
+        if self._route.poll is None:
+            self._c.Sendrecv(sbuf, dest=dst, sendtag=tag, recvbuf=rbuf, source=src, recvtag=tag)
+        else:
+            _complete(self._c.Isendrecv(sbuf, dest=dst, sendtag=tag, recvbuf=rbuf, source=src,
+                                        recvtag=tag), self._route.poll)
         sdone()
         rdone()
         return recv
@@ -348,10 +377,13 @@ class Comm:
         mpi = _mpi()
         ops = {"sum": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN}
         if self._plain and t.device.type == "cpu":
-            self._c.Allreduce(mpi.IN_PLACE, _buffer(t, writable=True), op=ops[op])
-            return t
-        buf, done = self._route.inout(t)
-        self._c.Allreduce(mpi.IN_PLACE, buf, op=ops[op])
+            buf, done = _buffer(t, writable=True), _nothing
+        else:
+            buf, done = self._route.inout(t)
+        if self._route.poll is None:
+            self._c.Allreduce(mpi.IN_PLACE, buf, op=ops[op])
+        else:
+            _complete(self._c.Iallreduce(mpi.IN_PLACE, buf, op=ops[op]), self._route.poll)
         done()
         return t
 
@@ -361,10 +393,11 @@ class Comm:
         if self._plain and t.device.type == "cpu":
             buf = _buffer(t, writable=True)
             return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf,
-                           what=lambda: self._coll("allreduce (sum)", t))
+                           what=lambda: self._coll("allreduce (sum)", t),
+                           poll=self._route.poll)
         buf, done = self._route.inout(t)
         return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf, done,
-                       lambda: self._coll("allreduce (sum)", t))
+                       lambda: self._coll("allreduce (sum)", t), self._route.poll)
 
     def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape on all ranks), in rank order, on ``t``'s device."""
@@ -429,9 +462,15 @@ class Comm:
         with watching(lambda: self._coll("broadcast of Python objects")):
             return self._c.bcast(obj, root=root)
 
-    def barrier(self) -> None:
+    def barrier(self, poll: float | None = None) -> None:
+        """Wait until every rank is here. ``poll``: test every ``poll`` seconds and sleep in
+        between instead of MPI's busy wait, which gives the cores to the ranks still working
+        when ranks outnumber cores (the test harness between cases)."""
         with watching(lambda: self._coll("barrier")):
-            self._c.Barrier()
+            if poll is None:
+                self._c.Barrier()
+                return
+            _complete(self._c.Ibarrier(), poll)
 
     # -- descriptions for the watchdog (built only when it fires) -----------------------------
     def _world_rank(self, r: int) -> int:

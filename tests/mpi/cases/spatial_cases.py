@@ -223,7 +223,7 @@ def case_amoebanet_p4_square_odd():
 
 
 def case_densenet_p2():
-    check(Case(lambda: tvm.densenet121(num_classes=5), (2, 3, 64, 64),
+    check(Case(lambda: tvm.DenseNet(32, (2, 2, 2, 2), 64, num_classes=5), (2, 3, 64, 64),
                fxpar.Plan(spatial_parts=2, slice="horizontal")))
 
 
