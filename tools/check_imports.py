@@ -6,8 +6,9 @@
 The repository keeps ``passes/`` and ``models/`` at the top but installs them as
 ``fxpar.passes`` and ``fxpar.models`` (pyproject's package-dir). import-linter (grimp) reads a
 package from one folder, so the check runs on a copy of the installed layout in a temporary
-folder. Imports made only for type annotations (under ``if TYPE_CHECKING:``) are left out: they
-do not run.
+folder. Every import counts: at module level, inside functions, and under ``if TYPE_CHECKING:``
+(a type-only import is still a dependency; a circle of them means two modules that cannot be
+read, or moved, one without the other).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def stage(dest: Path) -> Path:
 _GRAPH = """
 import json, sys
 import grimp
-g = grimp.build_graph("fxpar", exclude_type_checking_imports=True, cache_dir=None)
+g = grimp.build_graph("fxpar", exclude_type_checking_imports=False, cache_dir=None)
 print(json.dumps({m: sorted(g.find_modules_directly_imported_by(m)) for m in g.modules}))
 """
 

@@ -35,7 +35,7 @@ from fxpar.io.checkpoint import export
 from fxpar.testing import mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
-JOBS = ROOT / "tests" / "cases" / "jobs.py"
+JOBS = ROOT / "tests" / "mpi" / "cases" / "jobs.py"
 MODEL = (f"{JOBS}:classifier --image-size 16 --batch-size 8 --num-classes 4 "
          f"--dtype float32")
 VICTIM = 1

@@ -28,7 +28,6 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg, user_error
 from fxpar.cli.auto import AutoUsageError, add_args, check_no_layout, choose
 from fxpar.cli.losses import LOSSES, LossArgError, make_loss
 from fxpar.cli.train import (  # train and finish: re-exported (tests, users import them here)
+    Job,
     add_eval_args,
     check_eval_args,
     check_task,
@@ -49,7 +49,6 @@ from fxpar.cli.train import train as train
 from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import compile as fx_compile
-from fxpar.core.geometry import Rect
 from fxpar.core.plan import (
     HALO_FUSION,
     PRECISION_DTYPES,
@@ -69,8 +68,8 @@ from fxpar.io.data import (
     Synthetic,
     spatial_size,
 )
-from fxpar.io.evaluate import Validation, check_output, open_validation, output_shape
-from fxpar.io.program import _LAUNCHER_VARS, RankProgram
+from fxpar.io.evaluate import check_output, open_validation, output_shape
+from fxpar.io.program import _LAUNCHER_VARS
 from fxpar.io.samples import describe, open_source
 from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
 from fxpar.runtime.guard import NONFINITE_ENV
@@ -250,22 +249,6 @@ class SavedOnly(Exception):  # noqa: N818 - not an error: the run ends after sav
     def __init__(self, folder: Path, world_size: int) -> None:
         super().__init__(folder, world_size)
         self.folder, self.world_size = folder, world_size
-
-
-@dataclass
-class Job:
-    """Everything set up and checked before training."""
-
-    rp: RankProgram
-    source: BatchSource
-    window: Rect | None
-    shape: tuple[int, ...]
-    """The global batch: (N, C, H, W), or (N, C, D, H, W) for volumes."""
-    dtype: torch.dtype
-    compile_s: float
-    how: str = "compiled"
-    val: Validation | None = None
-    """The validation set (``--val-data``), batches of the compiled batch size."""
 
 
 def _source(a: argparse.Namespace, shape: tuple[int, ...],

@@ -17,17 +17,32 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from fxpar.core.geometry import Rect
-from fxpar.io.data import Batch, DataError
+from fxpar.io.data import Batch, BatchSource, DataError
 from fxpar.io.evaluate import BEST, SEGMENT_ONLY, Validation, better, evaluate, line
 from fxpar.io.metrics import Recorder, gather, table, write_metrics
 from fxpar.io.program import RankProgram
 from fxpar.io.samples import SampleBatches
 
-if TYPE_CHECKING:
-    from fxpar.cli.run import Job
+
+@dataclass
+class Job:
+    """Everything set up and checked before training."""
+
+    rp: RankProgram
+    source: BatchSource
+    window: Rect | None
+    shape: tuple[int, ...]
+    """The global batch: (N, C, H, W), or (N, C, D, H, W) for volumes."""
+    dtype: torch.dtype
+    compile_s: float
+    how: str = "compiled"
+    val: Validation | None = None
+    """The validation set (``--val-data``), batches of the compiled batch size."""
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:

@@ -10,14 +10,12 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fxpar.comm import failfast
-
-if TYPE_CHECKING:
-    from fxpar.comm.mpi import Comm
+from fxpar.comm.protocol import Comm
 
 # Node-local rank / size as MPICH (Hydra), Open MPI and Slurm export them to each process.
 _LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fxpar.comm.device import cuda_aware_mpi
 from fxpar.comm.failfast import mpi
 from fxpar.comm.watchdog import watching
 from fxpar.core.messages import MPI_TAG_UB_MIN
@@ -204,8 +205,6 @@ class _Route:
 
     def aware(self) -> bool:
         if self._aware is None:  # asked on the first CUDA tensor only
-            from fxpar.comm.device import cuda_aware_mpi
-
             self._aware = cuda_aware_mpi()
         return self._aware
 

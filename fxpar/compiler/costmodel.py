@@ -24,24 +24,23 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch import fx
 
 from fxpar.compiler.profile import Profile
+from fxpar.compiler.simulate import SimResult, StageSeconds, Timing, simulate
 from fxpar.core import meta
 from fxpar.core.geometry import Grid, Rect
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.roles import stage_groups
 from fxpar.core.schedule import Action, split_keys
+from fxpar.core.stages import links_of
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, Window, classify
 from fxpar.passes.spatial_region import SpatialLayout, image_grid, window_need
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
 
 if TYPE_CHECKING:
-    from fxpar.compiler.simulate import SimResult
     from fxpar.core.stages import Transfer
     from fxpar.io.program import Program
 
@@ -56,17 +55,6 @@ AVG_POOL = ("avg_pool1d", "avg_pool2d", "avg_pool3d")
 OPTIMIZER_PASSES = 4
 """STEP reads and writes about this many parameter-sized tensors per parameter (SGD with
 momentum: parameter, gradient, momentum buffer, written parameter and buffer)."""
-
-
-@dataclass(frozen=True)
-class StageSeconds:
-    """One chunk (micro-batch) through one rank of a stage: forward and backward seconds, and
-    the communication inside them (halos, statistics) for the record."""
-
-    f: float
-    b: float
-    comm_f: float = 0.0
-    comm_b: float = 0.0
 
 
 def node_seconds(n: fx.Node, profile: Profile, share: float, norm: bool = False) -> float:
@@ -260,18 +248,6 @@ def _sent_bytes(program: Program) -> dict[int, int]:
     return out
 
 
-@dataclass(frozen=True)
-class Timing:
-    """What the simulator asks: seconds of an action on a rank, and when a message sent by
-    action ``send`` on rank ``src`` arrives on rank ``dst`` (after the send)."""
-
-    seconds: Callable[[int, Action], float]
-    transfer: Callable[[Action, int, int], float]
-    stages: dict[int, StageSeconds]
-    allreduce: dict[int, tuple[int, ...]]
-    """rank -> the ranks whose ALLREDUCE is one collective with its own."""
-
-
 def timing(program: Program, profile: Profile) -> Timing:
     """The cost model of ``program`` on ``profile`` (module doc)."""
     stages = stage_seconds(program, profile)
@@ -320,9 +296,6 @@ def timing(program: Program, profile: Profile) -> Timing:
 def predict(program: Program, profile: Profile) -> SimResult:
     """The timed simulation of one step of ``program`` on ``profile``: step seconds
     (``makespan``), bubble, per-rank busy time and spans."""
-    from fxpar.compiler.driver import links_of
-    from fxpar.compiler.simulate import simulate
-
     return simulate(program.schedule, links_of(program.graph),
                     together=program.rank_map.tile_groups(), timing=timing(program, profile))
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import graphviz
     from matplotlib.figure import Figure
 
-    from fxpar.compiler.costmodel import Timing
+    from fxpar.compiler.simulate import Timing
     from fxpar.io.program import Program
 
 STAGE_COLOURS = ("#a6cee3", "#b2df8a", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7", "#fccde5",

@@ -30,6 +30,7 @@ from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.roles import chunks_per_copy, stage_groups
 from fxpar.core.schedule import Links, Schedule, pipeline, place
 from fxpar.core.stages import StageGraph
+from fxpar.core.stages import links_of as links_of  # re-exported: inspect, draw, tools
 from fxpar.frontend.capture import where
 from fxpar.frontend.rules.perpixel import mixes_samples
 from fxpar.frontend.trace import check_model, trace
@@ -161,14 +162,6 @@ def example_shape(example: torch.Tensor | Sequence[int] | None) -> tuple[int, ..
         raise ValueError(f"example_input has shape {shape}: give the global batch's shape, "
                          f"batch first, every size >= 1 (e.g. (8, 3, 1024, 1024))")
     return shape
-
-
-def links_of(graph: StageGraph) -> Links:
-    """Which stages each stage sends to (from the transfers)."""
-    links: Links = {s: set() for s in range(len(graph.modules))}
-    for t in graph.transfers:
-        links[t.src].add(t.dst)
-    return links
 
 
 def rank_schedules(rank_map: RankMap, links: Links, sync: bool | None = None) -> Schedule:

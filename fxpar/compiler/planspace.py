@@ -39,7 +39,6 @@ from torch import fx, nn
 
 from fxpar.compiler.costmodel import (
     OPTIMIZER_PASSES,
-    Timing,
     _components,
     _middle_tile,
     _tile_bytes,
@@ -49,7 +48,7 @@ from fxpar.compiler.costmodel import (
 from fxpar.compiler.memory import peak_bytes, schedule_in_flight
 from fxpar.compiler.passdriver import run_passes
 from fxpar.compiler.profile import Profile
-from fxpar.compiler.simulate import SimResult, simulate
+from fxpar.compiler.simulate import SimResult, Timing, simulate
 from fxpar.core import meta
 from fxpar.core.geometry import Grid
 from fxpar.core.meta import NodeCost, TensorInfo

@@ -14,7 +14,7 @@ can be compared with the formula (p-1)/(m+p-1), and when each action ran (``span
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,10 +25,32 @@ from fxpar.passes.spatial_region import SpatialLayout
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
 
 if TYPE_CHECKING:
-    from fxpar.compiler.costmodel import Timing
     from fxpar.io.program import Program
 
 _MATCH = {"RECV_F": "SEND_F", "RECV_B": "SEND_B"}
+
+
+@dataclass(frozen=True)
+class StageSeconds:
+    """One chunk (micro-batch) through one rank of a stage: forward and backward seconds, and
+    the communication inside them (halos, statistics) for the record."""
+
+    f: float
+    b: float
+    comm_f: float = 0.0
+    comm_b: float = 0.0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What the simulator asks: seconds of an action on a rank, and when a message sent by
+    action ``send`` on rank ``src`` arrives on rank ``dst`` (after the send)."""
+
+    seconds: Callable[[int, Action], float]
+    transfer: Callable[[Action, int, int], float]
+    stages: dict[int, StageSeconds]
+    allreduce: dict[int, tuple[int, ...]]
+    """rank -> the ranks whose ALLREDUCE is one collective with its own."""
 
 
 class ScheduleError(RuntimeError):

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from fxpar.core.schedule import Links
+
 
 @dataclass(frozen=True)
 class Transfer:
@@ -63,3 +65,11 @@ class StageGraph:
 
     def recvs(self, stage: int) -> list[Transfer]:
         return [t for t in self.transfers if t.dst == stage]
+
+
+def links_of(graph: StageGraph) -> Links:
+    """Which stages each stage sends to (from the transfers)."""
+    links: Links = {s: set() for s in range(len(graph.modules))}
+    for t in graph.transfers:
+        links[t.src].add(t.dst)
+    return links

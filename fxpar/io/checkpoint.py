@@ -68,6 +68,7 @@ from fxpar.io.checkpoint_folder import (
     read_latest,
     resolve,
     shard_name,
+    some_keys,
     start_version,
     version_name,
     write_durably,
@@ -363,14 +364,14 @@ def _check_shard(shard: dict[str, Any], manifest: dict[str, Any], rp: RankProgra
         saved, now = shard["stages"][key], module.state_dict()
         if set(saved) != set(now):
             problems.append(f"(copy, stage) {key} holds other tensors (saved only: "
-                            f"{_some(sorted(set(saved) - set(now)))}; now only: "
-                            f"{_some(sorted(set(now) - set(saved)))})")
+                            f"{some_keys(sorted(set(saved) - set(now)))}; now only: "
+                            f"{some_keys(sorted(set(now) - set(saved)))})")
         for k, v in now.items():  # (a GEMS rank holds two copies of the same tensors)
             if k in saved and saved[k].shape != v.shape:
                 shapes[k] = f"{k} {tuple(saved[k].shape)} saved, {tuple(v.shape)} now"
     if shapes:
         problems.append(f"it is of another model (tensors of other shapes: "
-                        f"{_some([shapes[k] for k in sorted(shapes, key=rp._order)])})")
+                        f"{some_keys([shapes[k] for k in sorted(shapes, key=rp._order)])})")
     if problems:
         raise _another_job(folder, problems)
     if (shard["optimizer"] is None) != (rp.optimizer is None):
@@ -458,36 +459,5 @@ def export(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 def load_state_dict(rp: RankProgram, state_dict: dict[str, torch.Tensor],
                     strict: bool = True) -> list[str]:
-    """``RankProgram.load_state_dict``: the keys of this rank's modules (every copy) copied in
-    place from a single-device ``state_dict``; returns the keys loaded."""
-    program = rp.program
-    known = set(program.names)
-    wanted: dict[StageKey, list[str]] = {
-        key: [k for k in m.state_dict() if k in known] for key, m in rp.stages.items()}
-    needed = sorted({k for keys in wanted.values() for k in keys}, key=rp._order)
-    if strict:
-        missing = [k for k in needed if k not in state_dict]
-        unknown = [k for k in state_dict if k not in known]
-        if missing or unknown:
-            what = []
-            if missing:
-                what.append(f"missing {len(missing)} key(s) rank {rp.rank} needs: "
-                            f"{_some(missing)}")
-            if unknown:
-                what.append(f"{len(unknown)} key(s) the compiled model does not have: "
-                            f"{_some(unknown)}")
-            raise CheckpointError(f"load_state_dict: {'; '.join(what)}. Pass the whole "
-                                  f"single-device state_dict of the same model "
-                                  f"(model.state_dict()), or strict=False to load what matches")
-    with torch.no_grad():
-        for key, module in rp.stages.items():
-            part = {k: state_dict[k] for k in wanted[key] if k in state_dict}
-            try:
-                module.load_state_dict(part, strict=False)  # copy_ into the existing tensors
-            except RuntimeError as e:
-                raise CheckpointError(f"load_state_dict into (copy, stage) {key}: {e}") from e
-    return [k for k in needed if k in state_dict]
-
-
-def _some(keys: Sequence[str], n: int = 8) -> str:
-    return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
+    """``rp.load_state_dict(state_dict, strict)`` (:meth:`RankProgram.load_state_dict`)."""
+    return rp.load_state_dict(state_dict, strict)

@@ -38,7 +38,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +214,9 @@ def commit(root: Path, name: str, step: int, keep: int | None) -> None:
                 stale.unlink(missing_ok=True)
     except OSError:
         pass
+
+
+def some_keys(keys: Sequence[str], n: int = 8) -> str:
+    """The first ``n`` of ``keys``, and how many more (for messages)."""
+    return ", ".join(keys[:n]) + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
+

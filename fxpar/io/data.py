@@ -131,18 +131,8 @@ def input_window(rp: RankProgram, image: tuple[int, ...] | None = None) -> Rect 
     A program that records no windows (an input that is not one image batch, or a folder saved
     before fxpar recorded them): the whole image or volume, of spatial size ``image`` ((H, W)
     or (D, H, W)), where a stage of the rank reads the input (see
-    ``RankProgram.input_window``)."""
-    windows = rp.program.input_windows
-    if windows is not None:
-        return windows[rp.rank]
-    if not any(src.source == "batch" for _copy, stage in rp.stages
-               for src in rp.program.graph.inputs[stage]):
-        return None
-    if image is None:
-        raise ValueError(f"rank {rp.rank} reads the whole model input but its program does "
-                         f"not record the image size: pass input_window(image=(H, W)), or "
-                         f"(D, H, W) for a volume")
-    return Rect.whole(tuple(image))
+    ``RankProgram.input_window``, which this is)."""
+    return rp.input_window(image)
 
 
 def _slices(window: Rect) -> tuple[slice, ...]:

@@ -33,7 +33,7 @@ import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -43,10 +43,8 @@ from fxpar.core.meta import TensorInfo, module_path
 from fxpar.core.modelkeys import put
 from fxpar.core.plan import PlanError
 from fxpar.core.version import __version__
+from fxpar.io.compiled import CompiledProgram
 from fxpar.io.layout import FORMAT, rank_folder, read_program, stage_folder
-
-if TYPE_CHECKING:
-    from fxpar.io.program import Program  # save() is Program.save's body
 
 __all__ = ["program_json", "put", "rank_sources", "read_program", "save",
            "stage_source"]
@@ -311,12 +309,12 @@ def _qualname(fn: Callable[..., Any]) -> str | None:
     return f"{mod}.{qual}" if obj is fn else None
 
 
-def _roles(program: Program, rank: int) -> list[dict[str, int]]:
+def _roles(program: CompiledProgram, rank: int) -> list[dict[str, int]]:
     return [{"copy": r.copy, "stage": r.stage, "tile": r.tile}
             for r in program.rank_map.roles_of(rank)]
 
 
-def program_json(program: Program) -> dict[str, Any]:
+def program_json(program: CompiledProgram) -> dict[str, Any]:
     """Everything but the modules and the action lists."""
     g, info = program.graph, program.spatial
     return {
@@ -344,7 +342,7 @@ def program_json(program: Program) -> dict[str, Any]:
     }
 
 
-def _windows(program: Program) -> list[list[list[int]] | None] | None:
+def _windows(program: CompiledProgram) -> list[list[list[int]] | None] | None:
     """Per rank, the window of the model input it reads as ``[[h0, h1], [w0, w1]]`` (None:
     it reads none); None when the program records no windows."""
     if program.input_windows is None:
@@ -352,7 +350,7 @@ def _windows(program: Program) -> list[list[list[int]] | None] | None:
     return [None if w is None else [list(iv) for iv in w.dims] for w in program.input_windows]
 
 
-def _input_shape(program: Program) -> list[int] | None:
+def _input_shape(program: CompiledProgram) -> list[int] | None:
     """The global batch's shape (the graph holds the micro-batch's)."""
     gm = program.traced
     x = next((n for n in gm.graph.nodes if n.op == "placeholder"), None) if gm else None
@@ -362,13 +360,13 @@ def _input_shape(program: Program) -> list[int] | None:
     return [program.batch_size, *info.shape[1:]]
 
 
-def _output_shape(program: Program) -> list[int] | None:
+def _output_shape(program: CompiledProgram) -> list[int] | None:
     """The model output's shape for the global batch, when the model returns one tensor."""
     shape = program.output_shape
     return None if shape is None else [program.batch_size, *shape[1:]]
 
 
-def _header(program: Program, rank: int, copy: int, stage: int) -> str:
+def _header(program: CompiledProgram, rank: int, copy: int, stage: int) -> str:
     role = next(r for r in program.rank_map.roles_of(rank)
                 if (r.copy, r.stage) == (copy, stage))
     where = f"rank {rank} of {program.world_size}: model copy {copy}, stage {stage}"
@@ -378,7 +376,7 @@ def _header(program: Program, rank: int, copy: int, stage: int) -> str:
     return f"fxpar stage module: {where}."
 
 
-def rank_sources(program: Program, rank: int) -> dict[str, str]:
+def rank_sources(program: CompiledProgram, rank: int) -> dict[str, str]:
     """Rank ``rank``'s generated files as text (what ``save`` writes; no weights)."""
     out = {f"{stage_folder(c, s)}/module.py": src.code
            for (c, s), src in _rank_stages(program, rank).items()}
@@ -386,7 +384,7 @@ def rank_sources(program: Program, rank: int) -> dict[str, str]:
     return out
 
 
-def _rank_stages(program: Program, rank: int) -> dict[tuple[int, int], StageSource]:
+def _rank_stages(program: CompiledProgram, rank: int) -> dict[tuple[int, int], StageSource]:
     mods = program.stage_modules(rank)
     return {(c, s): stage_source(m, _class_name(m, s), _header(program, rank, c, s))
             for (c, s), m in sorted(mods.items())}
@@ -397,7 +395,7 @@ def _class_name(m: nn.Module, stage: int) -> str:
     return name if name.isidentifier() and name != "GraphModule" else f"Stage{stage}"
 
 
-def _actions_text(program: Program, rank: int) -> str:
+def _actions_text(program: CompiledProgram, rank: int) -> str:
     acts = program.schedule[rank]
     return (f"# rank {rank}: {len(acts)} actions per training step, in order "
             f"(c<copy>.<stage><KIND><micro-batch>)\n" + "".join(f"{a}\n" for a in acts))
@@ -419,7 +417,7 @@ def _save_tensor_file(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def save(program: Program, folder: str | os.PathLike[str],
+def save(program: CompiledProgram, folder: str | os.PathLike[str],
          ranks: list[int] | None = None, manifest: bool = True) -> Path:
     """Write ``program`` under ``folder`` (see the module docstring); returns the folder.
 
@@ -435,9 +433,7 @@ def save(program: Program, folder: str | os.PathLike[str],
         rdir.mkdir(exist_ok=True)
         program.complete_stages()  # the unused tensors too, before materialising
         if getattr(program, "meta_model", None) is not None:  # built on meta: weights first
-            from fxpar.runtime.materialize import materialize_rank
-
-            materialize_rank(program, rank)
+            program.materialize(rank)
         windows = info["input_windows"]
         rank_info = {"rank": rank, "world_size": program.world_size,
                      "plan": info["plan"], "roles": info["ranks"][rank]["roles"],

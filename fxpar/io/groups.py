@@ -4,24 +4,22 @@ parameters) and the tile groups its tile ops talk in. RankProgram.close gives th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import fx, nn
 
 from fxpar.comm.mpi import Comm
 from fxpar.core.roles import chunks_per_copy, first_chunk, stage_groups
+from fxpar.io.compiled import CompiledProgram
 from fxpar.runtime.spatial.group import TileGroups
 from fxpar.runtime.spatial.ops import group_key
 from fxpar.runtime.sync import Member, StageSync
-
-if TYPE_CHECKING:
-    from fxpar.io.program import Program
 
 GroupKey = tuple[Any, ...]
 """``("stage", s)`` or ``("tiles", copy, stage, dp)``."""
 
 
-def communicators(program: Program, rank: int, comm: Comm | None) -> dict[GroupKey, Comm]:
+def communicators(program: CompiledProgram, rank: int, comm: Comm | None) -> dict[GroupKey, Comm]:
     """Every sub-communicator ``rank`` is in: stage groups and tile groups. Created in one
     global order (each group collective over its members only), so no rank waits on another
     that is creating a different group. The caller owns them (``Comm.free``)."""
@@ -45,7 +43,7 @@ def communicators(program: Program, rank: int, comm: Comm | None) -> dict[GroupK
     return out
 
 
-def stage_syncs(program: Program, rank: int, stages: dict[tuple[int, int], fx.GraphModule],
+def stage_syncs(program: CompiledProgram, rank: int, stages: dict[tuple[int, int], fx.GraphModule],
                 comms: dict[GroupKey, Comm]) -> list[StageSync]:
     """One gradient / BatchNorm-statistics synchroniser per stage ``rank`` holds."""
     plan, rm = program.plan, program.rank_map
@@ -60,7 +58,7 @@ def stage_syncs(program: Program, rank: int, stages: dict[tuple[int, int], fx.Gr
             for s, ms in sorted(members.items())]
 
 
-def tile_groups(program: Program, rank: int, comms: dict[GroupKey, Comm],
+def tile_groups(program: CompiledProgram, rank: int, comms: dict[GroupKey, Comm],
                 modules: list[nn.Module]) -> TileGroups:
     """``rank``'s tile-group communicators by key, bound to the tile ops of ``modules``."""
     rm = program.rank_map

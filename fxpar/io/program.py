@@ -18,7 +18,7 @@ import copy
 import functools
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,7 +29,7 @@ from torch import fx, nn
 from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.core import meta
-from fxpar.core.geometry import Grid, Rect
+from fxpar.core.geometry import Rect
 from fxpar.core.messages import check_tags, tag_uses
 from fxpar.core.meta import TensorInfo
 from fxpar.core.modelkeys import MODEL_KEYS, ModelKeys, attach, complete, with_unused
@@ -37,43 +37,19 @@ from fxpar.core.plan import PRECISION_DTYPES, Plan, PlanError, RankMap
 from fxpar.core.roles import chunks_per_copy, first_chunk
 from fxpar.core.schedule import Action, Schedule, format_grid
 from fxpar.core.stages import StageGraph
+from fxpar.io.checkpoint_folder import CheckpointError, some_keys
+from fxpar.io.compiled import SpatialInfo as SpatialInfo  # re-exported: driver, loader
 from fxpar.io.groups import communicators, stage_syncs, tile_groups
 from fxpar.io.tileloss import LossTilesFactory, TileLoss
 from fxpar.runtime.guard import StepGuard, nonfinite_policy
 from fxpar.runtime.loop import LossFn, Runtime, StepState, Tiling
-from fxpar.runtime.materialize import InitFn, materialize_rank
+from fxpar.runtime.materialize import InitFn, materialize_stages
 from fxpar.runtime.scale import LossScale
 from fxpar.runtime.spatial.ops import Join, group_key
 from fxpar.runtime.spatial.tags import max_tag
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 
-
-@dataclass(frozen=True)
-class SpatialInfo:
-    """The tile programs of the spatial stages, and how the model output is laid out."""
-
-    build: Callable[..., fx.GraphModule]
-    """(stage, tile[, copy]) -> that tile's rewritten stage module, by the halo pass through
-    the pass driver (fxpar.compiler.driver.TILE_PASSES): the compiler builds tile 0 of each
-    spatial stage, a rank its own tiles on first use."""
-    grid: Grid
-    spatial_stages: int
-    out_tiled: bool
-    out_extent: tuple[int, ...]
-    _cache: dict[tuple[int, int], fx.GraphModule] = field(default_factory=dict)
-
-    def tile(self, stage: int, tile: int) -> fx.GraphModule:
-        key = (stage, tile)
-        if key not in self._cache:
-            self._cache[key] = self.build(stage, tile)
-        return self._cache[key]
-
-    @property
-    def tiles(self) -> dict[tuple[int, int], fx.GraphModule]:
-        """Every tile program (builds them all)."""
-        return {(s, t): self.tile(s, t) for s in range(self.spatial_stages)
-                for t in range(self.grid.size)}
 
 _LAUNCHER_VARS = failfast.LAUNCHER_VARS
 
@@ -189,8 +165,8 @@ class Program:
         """Rank ``rank``'s program. Its modules share parameters with the compiled model (a
         meta-built model gets real memory for this rank's stages only, first)."""
         self.complete_stages()  # before materialising: the unused tensors materialise too
-        if self.meta_model is not None and 0 <= rank < self.world_size:
-            materialize_rank(self, rank)
+        if 0 <= rank < self.world_size:
+            self.materialize(rank)
         stages = self.stage_modules(rank)
         if comm is not None:  # before any message: would this MPI take every tag we use?
             bound = comm.tag_ub
@@ -198,6 +174,23 @@ class Program:
             check_tags(tag_uses(self.plan, len(self.graph.transfers), halo), bound,
                        f"this MPI's MPI_TAG_UB ({bound})")
         return RankProgram(self, rank, stages, comm)
+
+    def materialize(self, rank: int) -> None:
+        """For a model built on the meta device: give the original-model modules rank
+        ``rank``'s stages use real memory, and re-point its stage modules (and the tile modules
+        already built) at them; other stages stay on meta. Before the rank's modules are copied
+        (GEMS mirror) or trained. Nothing for a model built with memory."""
+        if self.meta_model is None:
+            return
+        roles = self.rank_map.roles_of(rank)
+        stages = sorted({r.stage for r in roles})
+        info = self.spatial
+        tiles = [] if info is None else [
+            info.tile(s, t) for s in stages if s < info.spatial_stages
+            for t in range(info.grid.size)
+            if any(r.stage == s and r.tile == t and r.copy == 0 for r in roles)]
+        materialize_stages(self.meta_model, [self.graph.modules[s] for s in stages], tiles,
+                           self.seed, self.init)
 
     def stage_modules(self, rank: int) -> dict[tuple[int, int], nn.Module]:
         """Rank ``rank``'s stage modules, ``{(copy, stage): module}``: tile modules for spatial
@@ -539,9 +532,17 @@ class RankProgram:
         image: the input's spatial sizes ((H, W) or (D, H, W)), used only when the program
         records no windows (``Program.input_windows`` is None): then a rank that reads the
         input reads all of it."""
-        from fxpar.io.data import input_window
-
-        return input_window(self, image)
+        windows = self.program.input_windows
+        if windows is not None:
+            return windows[self.rank]
+        if not any(src.source == "batch" for _copy, stage in self.stages
+                   for src in self.program.graph.inputs[stage]):
+            return None
+        if image is None:
+            raise ValueError(f"rank {self.rank} reads the whole model input but its program does "
+                             f"not record the image size: pass input_window(image=(H, W)), or "
+                             f"(D, H, W) for a volume")
+        return Rect.whole(tuple(image))
 
     @property
     def needs_targets(self) -> bool:
@@ -682,9 +683,33 @@ class RankProgram:
         ``fxpar.io.checkpoint.export(folder)``) into this rank's modules, every copy, in place;
         keys of other ranks' stages are ignored. Returns the keys loaded. strict: every key this
         rank needs must be there, and no key outside the model (see fxpar.io.checkpoint)."""
-        from fxpar.io.checkpoint import load_state_dict
-
-        return load_state_dict(self, state_dict, strict)
+        known = set(self.program.names)
+        wanted: dict[tuple[int, int], list[str]] = {
+            key: [k for k in m.state_dict() if k in known] for key, m in self.stages.items()}
+        needed = sorted({k for keys in wanted.values() for k in keys}, key=self._order)
+        if strict:
+            missing = [k for k in needed if k not in state_dict]
+            unknown = [k for k in state_dict if k not in known]
+            if missing or unknown:
+                what = []
+                if missing:
+                    what.append(f"missing {len(missing)} key(s) rank {self.rank} needs: "
+                                f"{some_keys(missing)}")
+                if unknown:
+                    what.append(f"{len(unknown)} key(s) the compiled model does not have: "
+                                f"{some_keys(unknown)}")
+                raise CheckpointError(
+                    f"load_state_dict: {'; '.join(what)}. Pass the whole single-device "
+                    f"state_dict of the same model (model.state_dict()), or strict=False to "
+                    f"load what matches")
+        with torch.no_grad():
+            for key, module in self.stages.items():
+                part = {k: state_dict[k] for k in wanted[key] if k in state_dict}
+                try:
+                    module.load_state_dict(part, strict=False)  # copy_ into the existing tensors
+                except RuntimeError as e:
+                    raise CheckpointError(f"load_state_dict into (copy, stage) {key}: {e}") from e
+        return [k for k in needed if k in state_dict]
 
 
 def _split_target(y: Any, n: int) -> list[Any]:

@@ -27,13 +27,9 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from fxpar.io.program import Program
 
 InitFn = Callable[[str, nn.Module], None]
 """``init(qualified_name, module)``: fill every parameter and buffer ``module`` owns directly
@@ -170,23 +166,13 @@ def _owner_names(model: nn.Module, stage: nn.Module) -> set[str]:
     return out
 
 
-def materialize_rank(program: Program, rank: int) -> None:
-    """Materialise the original-model modules that rank ``rank``'s stages use, and re-point the
-    stage modules (and any tile modules already built) at the new tensors. Other stages stay on
-    meta. Run before the rank's modules are copied (GEMS mirror) or trained."""
-    model = program.meta_model
-    if model is None:
-        return
-    stages = sorted({r.stage for r in program.rank_map.roles_of(rank)})
+def materialize_stages(model: nn.Module, stages: list[nn.Module], tiles: list[nn.Module],
+                       seed: int, init: InitFn | None) -> None:
+    """Materialise the modules of ``model`` (built on meta) that the stage modules ``stages``
+    use, and re-point them and the tile modules ``tiles`` built from them at the new tensors
+    (``Program.materialize``: one rank's stages; the other stages stay on meta)."""
     names: set[str] = set()
-    for s in stages:
-        names |= _owner_names(model, program.graph.modules[s])
-    replaced = materialize(model, names, seed=program.seed, init=program.init)
-    modules: list[nn.Module] = [program.graph.modules[s] for s in stages]
-    info = program.spatial
-    if info is not None:
-        modules += [info.tile(s, t) for s in stages if s < info.spatial_stages
-                    for t in range(info.grid.size)
-                    if any(r.stage == s and r.tile == t and r.copy == 0
-                           for r in program.rank_map.roles_of(rank))]
-    rebind(modules, replaced)
+    for stage in stages:
+        names |= _owner_names(model, stage)
+    replaced = materialize(model, names, seed=seed, init=init)
+    rebind([*stages, *tiles], replaced)
