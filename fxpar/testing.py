@@ -73,8 +73,8 @@ def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
     # FXPAR_POLL: a rank waiting for a message or a collective sleeps between tests of it
     # instead of spinning on a core the ranks still computing need (tests run more ranks than
     # cores); fxpar.comm.mpi
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "FXPAR_POLL": os.environ.get("FXPAR_POLL", "0.0005"), **(env or {})}
+    full_env = {"FXPAR_POLL": "0.0005", **os.environ, "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
     if pythonpath:
         full_env["PYTHONPATH"] = os.pathsep.join(
             [*map(str, pythonpath), *filter(None, [full_env.get("PYTHONPATH")])])

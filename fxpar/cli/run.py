@@ -72,7 +72,7 @@ from fxpar.io.evaluate import check_output, open_validation, output_shape
 from fxpar.io.program import _LAUNCHER_VARS
 from fxpar.io.samples import describe, open_source
 from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
-from fxpar.runtime.guard import NONFINITE_ENV
+from fxpar.runtime.guard import nonfinite_policy
 
 # (dest, flag, default) of the plan flags: defaults are applied after parsing, so a saved
 # program can tell which plan flags were given (they are an error there: its plan is fixed).
@@ -413,8 +413,8 @@ def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
     USER_ERRORS before any communication."""
     if a.watchdog is not None:
         watchdog.set_watchdog(a.watchdog)
-    if a.nonfinite is not None:  # read by each rank program (fxpar.runtime.guard)
-        os.environ[NONFINITE_ENV] = a.nonfinite
+    if a.nonfinite is not None:
+        nonfinite_policy(a.nonfinite)  # checked before any communication
     if a.log_every is not None and a.log_every < 1:
         raise ValueError("--log-every must be >= 1")
     if a.checkpoint_every is not None and (a.checkpoint is None or a.checkpoint_every < 1):
@@ -437,6 +437,8 @@ def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
         check_task(a, job.val)
         check_output(job.val, out)
     job.rp.to(where)
+    if a.nonfinite is not None:  # the flag wins over FXPAR_NONFINITE (fxpar.core.options)
+        job.rp.guard.policy = a.nonfinite
     return job
 
 

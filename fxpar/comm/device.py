@@ -16,6 +16,7 @@ import torch
 
 from fxpar.comm import failfast
 from fxpar.comm.protocol import Comm
+from fxpar.core.options import setting
 
 # Node-local rank / size as MPICH (Hydra), Open MPI and Slurm export them to each process.
 _LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
@@ -107,7 +108,7 @@ def cuda_aware_mpi() -> bool:
     and Open MPI answer ``MPIX_Query_cuda_support()`` at run time; MVAPICH2-GDR is CUDA-aware
     with ``MV2_USE_CUDA=1``; anything else is assumed not to be (device tensors are then staged
     through pinned host memory: correct, one host copy slower)."""
-    env = os.environ.get("FXPAR_CUDA_AWARE", "")
+    env = setting("cuda_aware")
     if env in ("0", "1"):
         return env == "1"
     if env:

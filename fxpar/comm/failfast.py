@@ -37,6 +37,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+from fxpar.core.options import flag
 from fxpar.core.plan import PlanError
 
 FAILFAST_ENV = "FXPAR_FAILFAST"
@@ -204,7 +205,7 @@ def install(abort: Callable[[int], None] | None = None, force: bool = False) -> 
     Each call that returns True counts as one holder: :func:`uninstall` releases one, and the
     last puts back the hooks that were there before (a rank program holds it while open)."""
     global _installed, _abort, _holders, _previous
-    if os.environ.get(FAILFAST_ENV, "1") == "0":
+    if not flag("failfast"):
         return False
     if not force and not (launched() and _launched_size() > 1):
         return False

@@ -36,6 +36,7 @@ from fxpar.comm.device import cuda_aware_mpi
 from fxpar.comm.failfast import mpi
 from fxpar.comm.watchdog import watching
 from fxpar.core.messages import MPI_TAG_UB_MIN
+from fxpar.core.options import flag, setting
 
 # dtypes NumPy has no type for travel as same-width integers (bit patterns are preserved); they
 # can be sent and received but not reduced.
@@ -194,9 +195,9 @@ class _Route:
 
     def __init__(self, stage: bool | None = None, poll: float | None = None) -> None:
         if stage is None:
-            stage = os.environ.get("FXPAR_FORCE_STAGING", "0") not in ("", "0")
-        if poll is None and os.environ.get("FXPAR_POLL", "off") not in ("", "off"):
-            poll = float(os.environ["FXPAR_POLL"])
+            stage = flag("force_staging")
+        if poll is None and setting("poll") not in ("", "off"):
+            poll = float(setting("poll"))
         self.force = stage
         self.poll = poll
         """Seconds between tests of a pending receive or collective (None: MPI's busy wait)."""

@@ -35,8 +35,12 @@ import torch.distributed as dist
 
 from fxpar.comm.mpi import Comm
 from fxpar.comm.watchdog import watching
+from fxpar.core.options import setting
 
-_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("FXPAR_TORCH_TIMEOUT", "600")))
+
+def _timeout() -> datetime.timedelta:
+    """How long torch.distributed waits for a collective (FXPAR_TORCH_timeout())."""
+    return datetime.timedelta(seconds=float(setting("torch_timeout")))
 _world: TorchComm | None = None
 
 
@@ -67,7 +71,7 @@ def _process_group(store: Any, prefix: str, rank: int, size: int, backend: str) 
     sub = PrefixStore(prefix, store)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(sub, rank, size, dist.ProcessGroupNCCL.Options())
-    return dist.ProcessGroupGloo(sub, rank, size, _TIMEOUT)
+    return dist.ProcessGroupGloo(sub, rank, size, _timeout())
 
 
 class TorchComm(Comm):
@@ -199,13 +203,14 @@ def _address(mpi: Comm) -> tuple[str, int, Any]:
     if mpi.rank == 0:
         host = os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
         port = int(os.environ.get("MASTER_PORT", "0"))  # 0: the store picks a free port
-        store = dist.TCPStore(host, port, mpi.size, True, _TIMEOUT, wait_for_workers=False)
+        store = dist.TCPStore(host, port, mpi.size, True, _timeout(),
+                              wait_for_workers=False)
         addr = (host, int(store.port))
     else:
         addr = None
     host, port = mpi.bcast_object(addr)
     if store is None:
-        store = dist.TCPStore(host, port, mpi.size, False, _TIMEOUT)
+        store = dist.TCPStore(host, port, mpi.size, False, _timeout())
     return host, port, store
 
 
@@ -219,14 +224,14 @@ def torch_world(backend: str | None = None, mpi: Comm | None = None) -> TorchCom
         return _world
     mpi = mpi if mpi is not None else Comm()
     if backend is None:
-        backend = os.environ.get("FXPAR_TORCH_BACKEND") or \
+        backend = setting("torch_backend") or \
             ("nccl" if torch.cuda.is_available() and torch.cuda.is_initialized() else "gloo")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"torch.distributed backend {backend!r}: use 'nccl' (GPUs) or 'gloo'")
     _host, _port, store = _address(mpi)
     if not dist.is_initialized():
         dist.init_process_group(backend, store=store, rank=mpi.rank, world_size=mpi.size,
-                                timeout=_TIMEOUT)
+                                timeout=_timeout())
     elif (dist.get_rank(), dist.get_world_size()) != (mpi.rank, mpi.size):
         raise RuntimeError(f"torch.distributed is already initialised as rank "
                            f"{dist.get_rank()} of {dist.get_world_size()}, but MPI says "

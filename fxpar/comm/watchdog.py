@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxpar.comm import failfast
+from fxpar.core.options import setting
 
 WATCHDOG_ENV = "FXPAR_WATCHDOG"
 FLOOR = 300.0
@@ -364,7 +364,7 @@ def set_watchdog(seconds: float | str | Limit | None) -> None:
 def configure() -> None:
     """Read ``FXPAR_WATCHDOG`` (default auto), once; an explicit :func:`set_watchdog` wins."""
     if not _configured:
-        set_watchdog(parse_limit(os.environ.get(WATCHDOG_ENV, "")) or 0)
+        set_watchdog(parse_limit(setting("watchdog")) or 0)
 
 
 def current() -> Watchdog | None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.comm.torch_dist import torch_world
+from fxpar.core.options import setting
 
 
 def world(backend: str | None = None) -> Comm:
@@ -15,7 +14,7 @@ def world(backend: str | None = None) -> Comm:
     backend: "mpi" (mpi4py, the default) or "torch" (torch.distributed, see fxpar.comm.torch_dist:
     NCCL collectives on GPUs); None reads ``FXPAR_COMM`` (default "mpi")."""
     watchdog.configure()
-    backend = backend or os.environ.get("FXPAR_COMM") or "mpi"
+    backend = backend or setting("comm") or "mpi"
     if backend == "mpi":
         comm: Comm = Comm()
     elif backend == "torch":

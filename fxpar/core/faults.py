@@ -23,10 +23,10 @@ it), the checkpoint code at each ``fxpar.io.checkpoint.save``; nothing else does
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from fxpar.core.options import setting
 from fxpar.core.plan import PlanError
 
 FAULT_ENV = "FXPAR_FAULT"
@@ -93,7 +93,7 @@ def parse(text: str) -> tuple[Fault, ...]:
 
 def from_env(environ: Mapping[str, str] | None = None) -> tuple[Fault, ...]:
     """The faults ``FXPAR_FAULT`` names in ``environ`` (default: this process's)."""
-    return parse((os.environ if environ is None else environ).get(FAULT_ENV, ""))
+    return parse(setting("fault", environ))
 
 
 def find(faults: tuple[Fault, ...], rank: int, step: int, *kinds: str) -> Fault | None:

@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import torch
 from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.core.faults import from_env
+from fxpar.core.options import setting
 from fxpar.core.plan import PlanError
 from fxpar.runtime.inject import Injector
 
@@ -51,8 +51,8 @@ class ProgramFailed(RuntimeError):
 
 
 def nonfinite_policy(value: str | None = None) -> str:
-    """``value`` (default: ``FXPAR_NONFINITE``, else "stop"), checked."""
-    v = (os.environ.get(NONFINITE_ENV, "") if value is None else value) or "stop"
+    """``value`` (default: the option ``FXPAR_NONFINITE``, fxpar.core.options), checked."""
+    v = (setting("nonfinite") if value is None else value) or "stop"
     if v not in POLICIES:
         raise PlanError(f"{NONFINITE_ENV}={v!r}: use stop (end the job naming the step and "
                         f"ranks), skip (drop such steps on every rank) or off (no check)")

@@ -17,7 +17,6 @@ gradient on each rank: the true gradient is the sum over the group. So:
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -25,13 +24,10 @@ from torch import nn
 
 from fxpar.comm.mpi import Comm, Request
 from fxpar.core.geometry import Exchange, Rect
+from fxpar.core.options import flag
 from fxpar.runtime.spatial import haloconv
 from fxpar.runtime.spatial.batchnorm import TileBatchNorm as TileBatchNorm  # re-export
 from fxpar.runtime.spatial.group import TileOp
-
-FORCE_WINDOW = os.environ.get("FXPAR_HALO_WINDOW") == "1"
-"""True (env FXPAR_HALO_WINDOW=1): every halo convolution assembles its window, the path
-before fxpar.runtime.spatial.haloconv; tools/bench_spatial.py compares the two."""
 
 
 def group_key(stage: int, copy: int = 0) -> str:
@@ -396,9 +392,11 @@ class HaloOp(TileOp):
     def split(self, params: tuple[torch.Tensor, ...]) -> haloconv.Split | None:
         """How this convolution splits into tile and halo parts (None: assemble the window);
         worked out once, from the weight's kernel size."""
-        if self.kind != "conv" or self.replicated or FORCE_WINDOW:
+        if self.kind != "conv" or self.replicated:
             return None
-        if not hasattr(self, "_split"):
+        if not hasattr(self, "_split"):  # FXPAR_HALO_WINDOW=1: assemble every window
+            if flag("halo_window"):
+                return None
             kernel = tuple(int(k) for k in params[0].shape[2:])
             self._split = haloconv.plan(self.exchange, kernel, tuple(self.cfg["stride"]),
                                         tuple(self.cfg["dilation"]))
