@@ -29,39 +29,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from fxpar.comm.device import cuda_aware_mpi
 from fxpar.comm.failfast import mpi
+from fxpar.comm.route import BITCAST, Route, as_buffer, nothing
 from fxpar.comm.watchdog import watching
 from fxpar.core.messages import MPI_TAG_UB_MIN
-from fxpar.core.options import flag, setting
-
-# dtypes NumPy has no type for travel as same-width integers (bit patterns are preserved); they
-# can be sent and received but not reduced.
-_BITCAST = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8,
-            torch.float8_e5m2: torch.int8}
 
 
 def _mpi() -> Any:
     return mpi()  # imported lazily: analysis and inspect never need MPI
-
-
-def _prepared(t: torch.Tensor, *, writable: bool) -> torch.Tensor:
-    """``t`` as MPI reads it: contiguous (a receive buffer must already be: data would land
-    in a copy), detached, bit-cast where NumPy has no type for its dtype."""
-    if not t.is_contiguous():
-        if writable:
-            raise ValueError("receive buffer must be contiguous (data would land in a copy)")
-        t = t.contiguous()
-    t = t.detach()
-    return t.view(_BITCAST[t.dtype]) if t.dtype in _BITCAST else t
-
-
-def _buffer(t: torch.Tensor, *, writable: bool) -> np.ndarray:
-    """A NumPy view of CPU tensor ``t``'s memory (no copy)."""
-    return _prepared(t, writable=writable).numpy()
 
 
 def _complete(req: Any, poll: float | None) -> None:
@@ -105,133 +82,6 @@ class Request:
             done()
 
 
-def _pinned(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A flat host buffer; page-locked when it stages a CUDA tensor (fast, async-capable DMA)."""
-    return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Blocking copy between host and device: the host side is safe to reuse when it returns."""
-    dst.copy_(src)
-
-
-class Staging:
-    """Host copies of tensors MPI cannot read in place (device memory without CUDA-aware MPI).
-
-    A pool of flat host buffers per (numel, dtype): :meth:`take` lends one (new when none is
-    free), :meth:`give` returns it, keeping at most ``keep`` free per key so a run with changing
-    shapes does not hoard pinned memory. ``alloc`` and ``copy`` are the seam tests replace."""
-
-    def __init__(self, alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] = _pinned,
-                 copy: Callable[[torch.Tensor, torch.Tensor], None] = _copy,
-                 keep: int = 4) -> None:
-        self.alloc = alloc
-        self.copy = copy
-        self.keep = keep
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        self.allocated = 0
-        """Host buffers made so far (tests check that buffers are reused)."""
-
-    def take(self, t: torch.Tensor) -> torch.Tensor:
-        free = self._free.get((t.numel(), t.dtype))
-        if free:
-            return free.pop()
-        self.allocated += 1
-        return self.alloc(t.numel(), t.dtype, t.device)
-
-    def give(self, host: torch.Tensor) -> None:
-        free = self._free.setdefault((host.numel(), host.dtype), [])
-        if len(free) < self.keep:
-            free.append(host)
-
-    def out(self, t: torch.Tensor) -> tuple[np.ndarray, Callable[[], None]]:
-        """A host buffer holding ``t``'s values for MPI to read, and the call that releases it."""
-        host = self.take(t)
-        self.copy(host.view(t.shape), t)
-        return _buffer(host, writable=False), lambda: self.give(host)
-
-    def into(self, t: torch.Tensor) -> tuple[np.ndarray, Callable[[], None]]:
-        """A host buffer for MPI to write, and the call that copies it into ``t`` and releases
-        it (run it after the operation completed)."""
-        if not t.is_contiguous():
-            raise ValueError("receive buffer must be contiguous (data would land in a copy)")
-        host = self.take(t)
-
-        def land() -> None:
-            self.copy(t, host.view(t.shape))
-            self.give(host)
-
-        return _buffer(host, writable=True), land
-
-    def inout(self, t: torch.Tensor) -> tuple[np.ndarray, Callable[[], None]]:
-        """Both: ``t``'s values in a host buffer that MPI updates in place (reductions,
-        broadcast roots), copied back into ``t`` by the returned call."""
-        if not t.is_contiguous():
-            raise ValueError("in-place buffer must be contiguous (data would land in a copy)")
-        host = self.take(t)
-        self.copy(host.view(t.shape), t)
-
-        def land() -> None:
-            self.copy(t, host.view(t.shape))
-            self.give(host)
-
-        return _buffer(host, writable=True), land
-
-
-def _direct(t: torch.Tensor, *, writable: bool) -> torch.Tensor:
-    """``t`` itself for a CUDA-aware MPI (read through ``__cuda_array_interface__``/DLPack),
-    after its stream has finished every kernel queued on it."""
-    t = _prepared(t, writable=writable)
-    torch.cuda.current_stream(t.device).synchronize()
-    return t
-
-
-def _nothing() -> None:
-    pass
-
-
-class _Route:
-    """How a communicator family moves non-CPU tensors (shared by a world and its splits)."""
-
-    def __init__(self, stage: bool | None = None, poll: float | None = None) -> None:
-        if stage is None:
-            stage = flag("force_staging")
-        if poll is None and setting("poll") not in ("", "off"):
-            poll = float(setting("poll"))
-        self.force = stage
-        self.poll = poll
-        """Seconds between tests of a pending receive or collective (None: MPI's busy wait)."""
-        self.staging = Staging()
-        self._aware: bool | None = None
-
-    def aware(self) -> bool:
-        if self._aware is None:  # asked on the first CUDA tensor only
-            self._aware = cuda_aware_mpi()
-        return self._aware
-
-    def _check(self, t: torch.Tensor) -> None:
-        if t.device.type == "meta":
-            raise ValueError("a meta tensor has no data to communicate: materialise it first")
-
-    def out(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
-        self._check(t)
-        if t.device.type == "cuda" and not self.force and self.aware():
-            return _direct(t, writable=False), _nothing
-        return self.staging.out(t)
-
-    def into(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
-        self._check(t)
-        if t.device.type == "cuda" and not self.force and self.aware():
-            return _direct(t, writable=True), _nothing
-        return self.staging.into(t)
-
-    def inout(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
-        self._check(t)
-        if t.device.type == "cuda" and not self.force and self.aware():
-            return _direct(t, writable=True), _nothing
-        return self.staging.inout(t)
-
-
 class Comm:
     """A communicator: the world, or a sub-group made with :meth:`split` / :meth:`group`.
 
@@ -239,9 +89,9 @@ class Comm:
     ``FXPAR_FORCE_STAGING`` environment variable); for testing the GPU path without a GPU."""
 
     def __init__(self, mpi_comm: Any = None, stage: bool | None = None,
-                 route: _Route | None = None, poll: float | None = None) -> None:
+                 route: Route | None = None, poll: float | None = None) -> None:
         self._c = mpi_comm if mpi_comm is not None else _mpi().COMM_WORLD
-        self._route = route if route is not None else _Route(stage, poll)
+        self._route = route if route is not None else Route(stage, poll)
         self._plain = not self._route.force
         """CPU tensors go to MPI as they are (the fast path; False when staging is forced)."""
 
@@ -283,7 +133,7 @@ class Comm:
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Request:
         """Start sending ``t`` to ``dst`` (a non-contiguous ``t`` is sent from a copy)."""
         if self._plain and t.device.type == "cpu":
-            buf = _buffer(t, writable=False)
+            buf = as_buffer(t, writable=False)
             return Request(self._c.Isend(buf, dest=dst, tag=tag), buf,
                            what=lambda: self._p2p("send", t, "to", dst, tag),
                            poll=self._route.poll)
@@ -295,7 +145,7 @@ class Comm:
         """Start receiving into ``t`` (contiguous) from ``src``; ``t`` holds the data once the
         request's ``wait`` returned."""
         if self._plain and t.device.type == "cpu":
-            buf = _buffer(t, writable=True)
+            buf = as_buffer(t, writable=True)
             return Request(self._c.Irecv(buf, source=src, tag=tag), buf,
                            what=lambda: self._p2p("receive", t, "from", src, tag),
                            poll=self._route.poll)
@@ -309,7 +159,7 @@ class Comm:
 
     def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
         if self._plain and t.device.type == "cpu":
-            buf, done = _buffer(t, writable=False), _nothing
+            buf, done = as_buffer(t, writable=False), nothing
         else:
             buf, done = self._route.out(t)
         if self._route.poll is None:
@@ -324,7 +174,7 @@ class Comm:
 
     def _recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
         if self._plain and t.device.type == "cpu":
-            buf, done = _buffer(t, writable=True), _nothing
+            buf, done = as_buffer(t, writable=True), nothing
         else:
             buf, done = self._route.into(t)
         if self._route.poll is None:
@@ -343,8 +193,8 @@ class Comm:
     def _sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
                   tag: int) -> torch.Tensor:
         if self._plain and send.device.type == "cpu" and recv.device.type == "cpu":
-            sbuf, sdone = _buffer(send, writable=False), _nothing
-            rbuf, rdone = _buffer(recv, writable=True), _nothing
+            sbuf, sdone = as_buffer(send, writable=False), nothing
+            rbuf, rdone = as_buffer(recv, writable=True), nothing
         else:
             sbuf, sdone = self._route.out(send)
             rbuf, rdone = self._route.into(recv)
@@ -369,7 +219,7 @@ class Comm:
             return self._allreduce(t, op)
 
     def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        if t.dtype in _BITCAST or t.dtype == torch.float16:
+        if t.dtype in BITCAST or t.dtype == torch.float16:
             # MPI has no bfloat16 / float16 sum: reduce in float32, round once
             wide = t.float()
             self._allreduce(wide, op)
@@ -377,7 +227,7 @@ class Comm:
         mpi = _mpi()
         ops = {"sum": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN}
         if self._plain and t.device.type == "cpu":
-            buf, done = _buffer(t, writable=True), _nothing
+            buf, done = as_buffer(t, writable=True), nothing
         else:
             buf, done = self._route.inout(t)
         if self._route.poll is None:
@@ -391,7 +241,7 @@ class Comm:
         """Start an in-place sum allreduce of ``t``."""
         mpi = _mpi()
         if self._plain and t.device.type == "cpu":
-            buf = _buffer(t, writable=True)
+            buf = as_buffer(t, writable=True)
             return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf,
                            what=lambda: self._coll("allreduce (sum)", t),
                            poll=self._route.poll)
@@ -407,7 +257,7 @@ class Comm:
     def _allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
         if self._plain and t.device.type == "cpu":
-            self._c.Allgather(_buffer(t, writable=False), _buffer(out, writable=True))
+            self._c.Allgather(as_buffer(t, writable=False), as_buffer(out, writable=True))
             return list(out.unbind(0))
         sbuf, sdone = self._route.out(t)
         rbuf, rdone = self._route.into(out)
@@ -425,11 +275,11 @@ class Comm:
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device) \
             if self.rank == root else None
         if self._plain and t.device.type == "cpu":
-            self._c.Gather(_buffer(t, writable=False),
-                           _buffer(out, writable=True) if out is not None else None, root=root)
+            self._c.Gather(as_buffer(t, writable=False),
+                           as_buffer(out, writable=True) if out is not None else None, root=root)
             return list(out.unbind(0)) if out is not None else None
         sbuf, sdone = self._route.out(t)
-        rbuf, rdone = self._route.into(out) if out is not None else (None, _nothing)
+        rbuf, rdone = self._route.into(out) if out is not None else (None, nothing)
         self._c.Gather(sbuf, rbuf, root=root)
         sdone()
         rdone()
@@ -442,7 +292,7 @@ class Comm:
 
     def _bcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
         if self._plain and t.device.type == "cpu":
-            self._c.Bcast(_buffer(t, writable=True), root=root)
+            self._c.Bcast(as_buffer(t, writable=True), root=root)
             return t
         buf, done = self._route.inout(t) if self.rank == root else self._route.into(t)
         self._c.Bcast(buf, root=root)

@@ -1,6 +1,6 @@
 """The GPU path's logic without a GPU: device binding, CUDA-aware detection, host staging through
-the seam fxpar.comm.mpi.Staging, and the torch.distributed Comm on one in-process rank. Multi-rank
-checks (staging forced, gloo backend, both vs one process) are case_device_paths in
+the seam fxpar.comm.route.Staging, and the torch.distributed Comm on one in-process rank.
+Multi-rank checks (staging forced, gloo backend, both vs one process) are case_device_paths in
 tests/mpi/cases/comm_cases.py."""
 
 import warnings
@@ -11,7 +11,8 @@ import torch
 import fxpar.comm.device as device
 import fxpar.comm.torch_dist as comm_torch
 from fxpar.comm.device import DeviceError, bind, cuda_aware_mpi, node_local
-from fxpar.comm.mpi import Comm, Staging, _direct
+from fxpar.comm.mpi import Comm
+from fxpar.comm.route import Staging, direct
 
 _LOCAL = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALNRANKS",
           "OMPI_COMM_WORLD_LOCAL_SIZE")
@@ -176,11 +177,11 @@ def test_direct_buffers_are_torch_tensors_mpi_reads_after_a_stream_sync(monkeypa
             synced.append(True)
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
-    send = _direct(torch.arange(8, dtype=torch.bfloat16).reshape(2, 4).t(), writable=False)
+    send = direct(torch.arange(8, dtype=torch.bfloat16).reshape(2, 4).t(), writable=False)
     assert send.dtype == torch.int16 and send.is_contiguous()
     recv = torch.empty(4, 2, dtype=torch.bfloat16)
     c = Comm()
-    c._c.Sendrecv(send, dest=0, recvbuf=_direct(recv, writable=True), source=0)
+    c._c.Sendrecv(send, dest=0, recvbuf=direct(recv, writable=True), source=0)
     assert torch.equal(recv, torch.arange(8, dtype=torch.bfloat16).reshape(2, 4).t())
     assert synced == [True, True]
 
