@@ -10,10 +10,11 @@ from fxpar.frontend.trace import TraceError, analyze, trace
 from fxpar.io.loader import load as load_program
 from fxpar.io.program import Program, RankProgram
 from fxpar.runtime.guard import NonFiniteError, ProgramFailed
+from fxpar.train.trainer import TrainConfig, Trainer
 
 __all__ = ["compile", "plan_auto", "AutoPlan", "predict", "Prediction", "load_program", "Plan",
            "PlanError", "RankMap", "Program", "RankProgram", "TraceError", "analyze", "trace",
-           "NonFiniteError", "ProgramFailed", "__version__"]
+           "NonFiniteError", "ProgramFailed", "Trainer", "TrainConfig", "__version__"]
 
 # Importing fxpar changes nothing in the process: the fail-fast exception hook (an uncaught
 # exception on any rank ends the whole job) is installed by the rank programs made for MPI

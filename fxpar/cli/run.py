@@ -36,7 +36,7 @@ import torch
 from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg, user_error
 from fxpar.cli.auto import AutoUsageError, add_args, check_no_layout, choose
 from fxpar.cli.losses import LOSSES, LossArgError, make_loss
-from fxpar.cli.train import (  # train and finish: re-exported (tests, users import them here)
+from fxpar.cli.train import (
     Job,
     add_eval_args,
     check_eval_args,
@@ -44,8 +44,6 @@ from fxpar.cli.train import (  # train and finish: re-exported (tests, users imp
     resume,
     run,
 )
-from fxpar.cli.train import finish as finish
-from fxpar.cli.train import train as train
 from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import compile as fx_compile
@@ -474,7 +472,7 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
               f"{describe(job.source)}", flush=True)
         if job.val is not None:
             print(job.val.describe(), flush=True)
-    start = resume(rp, a)
+    start = resume(job, a)
     if start is None:
         rp.close()
         return 2
