@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check fxpar passes models tools tests
+	$(VENV)/bin/ruff check fxpar passes models tools tests examples
 	$(PY) tools/check_imports.py
 
 test: $(STAMP) lint

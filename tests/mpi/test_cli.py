@@ -172,3 +172,16 @@ def test_run_trains_a_segmentation_model_with_a_library_loss():
 def test_run_loss_options_are_checked_with_what_to_change(args, message):
     r = call(run_main, *args, "--image-size", "32", "--steps", "1", "--device", "cpu")
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.mpi
+def test_the_readme_trainer_script_trains_and_validates_under_sp_and_pp():
+    """examples/train_timm.py (the README's script): a timm model, SP2 + PP2 on 3 ranks,
+    fxpar.Trainer with validation every 3 steps."""
+    script = Path(__file__).resolve().parents[2] / "examples" / "train_timm.py"
+    r = run(mpiexec(), "-n", "3", sys.executable, str(script), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert sum(line.startswith("step ") for line in lines) == 6
+    assert sum(line.startswith("eval  step") for line in lines) == 2, r.stdout
+    assert lines[-1].startswith("done: median")
