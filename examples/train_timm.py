@@ -10,6 +10,7 @@ from fxpar.io.data import Synthetic
 from fxpar.io.evaluate import Validation
 
 shape = (4, 3, 128, 128)  # the global batch
+torch.manual_seed(0)  # every rank builds the same initial weights
 model = timm.create_model("resnet18", num_classes=5)
 plan = fxpar.Plan(spatial_parts=2, stages=2, microbatches=2)
 program = fxpar.compile(model, plan, shape, loss_fn=F.cross_entropy,
