@@ -65,8 +65,9 @@ class Pool:
     def _start(self) -> None:
         # a deadlocked case ends the pool at once, saying where each rank waited, instead of
         # running into the timeout (shrinking a hang would otherwise take minutes)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "FXPAR_WATCHDOG": f"{max(10.0, self.timeout / 3):g}"}
+        # FXPAR_POLL: waiting ranks sleep instead of spinning on cores the others need
+        env = {"FXPAR_POLL": "0.0005", **os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONUNBUFFERED": "1", "FXPAR_WATCHDOG": f"{max(10.0, self.timeout / 3):g}"}
         began = time.monotonic()
         self._proc = subprocess.Popen(
             [mpiexec(), "-n", str(self.ranks), sys.executable, str(WORKER)],
