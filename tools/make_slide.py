@@ -1,4 +1,4 @@
-"""A synthetic whole-slide image for the README's example: a pyramidal tiled TIFF of pink
+"""A synthetic whole-slide image for docs/cli.md's example: a pyramidal tiled TIFF of pink
 "tissue" blobs with texture on a light background, its per-pixel mask (1 = tissue) as a second
 tiled TIFF, and CSVs of training / validation regions (image, mask, y, x) for ``fxpar-run
 --data`` / ``--val-data``. Written band by band: the image is never whole in memory.

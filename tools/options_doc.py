@@ -33,7 +33,7 @@ def render() -> str:
         values = option.values.replace(" | ", ", ")  # a bar would split the table cell
         lines.append(f"| `{option.env}` | `{values}` | {unset} | {option.doc} |")
     lines += ["", "The test suite's own switches (`FXPAR_LIBRARY_MATRIX`, `FXPAR_FUZZ_EXAMPLES`, "
-              "...) are listed in the README, under *Two commands*.", ""]
+              "...) are listed in [testing.md](testing.md).", ""]
     return "\n".join(lines)
 
 
