@@ -1,6 +1,6 @@
 """The pure summaries of ``tools/bench_pipeline.py`` (tested in tests/unit/test_bench_pipeline.py):
 bubble arithmetic, per-round ratios, tables, plots and the aims, from the launches' records.
-No torch, no MPI, no timing.
+No MPI, no timing.
 
 Records: ``comp[ranks]`` is a list of rounds, each ``{system key: launch record}`` (a record
 has ``times``, seconds per timed step; fxpar's also ``ranks``, each rank's wall and busy time
@@ -17,26 +17,23 @@ from typing import Any
 from benchlib import fmt_spread, spread
 from pipeline_workers import BATCH, SYSTEMS
 
+from fxpar.core.schedule import SCHEDULES
+
 AIM = 1.15  # issue 22's target: fxpar's best / torch's best img/s, 2 and 4 stages, m = 4
-FORMULAS = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)",
-            "zero_bubble": "(p-1)/(3m+p-1)", "interleaved_1f1b": "(p-1)/(vm+p-1)"}
+FORMULAS = {name: rule.bubble(2, 4, 2)[0] for name, rule in SCHEDULES.items()
+            if rule.closed_form}
+"""The bubble formula text of each schedule that has one (fxpar.core.schedule.SCHEDULES)."""
 
 Rounds = Sequence[Mapping[str, Mapping[str, Any]]]
 Bubble = Mapping[str, Mapping[int, Sequence[Mapping[str, float]]]]
 
 
 def bubble_formula(p: int, m: int, schedule: str = "1f1b", per_rank: int = 1) -> float | None:
-    """The textbook bubble over p ranks, m micro-batches, equal stages, free communication:
-    GPipe/1F1B (p-1)/(m+p-1); ZB-H1 with F = B = W (p-1)/(3m+p-1); interleaved 1F1B with v
-    stages per rank (p-1)/(vm+p-1); None for a schedule without one (ZB-V: its order is list
-    scheduled, the simulator column gives its bubble)."""
-    if schedule not in FORMULAS:
-        return None
-    if schedule == "zero_bubble":
-        return (p - 1) / (3 * m + p - 1)
-    if schedule == "interleaved_1f1b":
-        return (p - 1) / (per_rank * m + p - 1)
-    return (p - 1) / (m + p - 1)
+    """The published bubble over p pipeline ranks, m micro-batches, equal stages, free
+    communication: the schedule's entry in fxpar.core.schedule.SCHEDULES; None for one without
+    a formula (ZB-V: its order is list scheduled, the simulator column gives its bubble)."""
+    rule = SCHEDULES[schedule]
+    return rule.bubble(p, m, per_rank)[1] if rule.closed_form else None
 
 
 def launch_bubble(ranks: Sequence[Mapping[str, Sequence[float]]]) -> dict[str, float]:

@@ -45,6 +45,7 @@ from fxpar.core.plan import (
     Plan,
     PlanError,
 )
+from fxpar.core.schedule import SCHEDULES as SCHEDULE_RULES
 from fxpar.core.schedule import format_grid, split_keys
 from fxpar.frontend.trace import TraceError, trace
 from fxpar.io.metrics import load_metrics
@@ -365,24 +366,10 @@ def _tick_costs(split: frozenset[tuple[int, int, int]]) -> str:
 
 
 def bubble_formula(schedule: str, p: int, m: int, per_rank: int = 1) -> tuple[str, float]:
-    """The published idle fraction of one copy's schedule of ``p`` stages with unit costs
-    (F=1, B=2; a zero-bubble schedule's B and W 1 each) and free communication, as text and
-    value: GPipe and 1F1B (p-1)/(m+p-1); ZB-H1 (p-1)/(3m+p-1) once m >= p, and with fewer
-    micro-batches than stages, where the pipeline never fills, the simulator's
-    (2p-m-1)/(2m+2p-1); interleaved 1F1B with v = ``per_rank`` stages on each of P = p / v
-    ranks (P-1)/(vm+P-1); ZB-V has no closed form (its order is list-scheduled): ZB-H1's
-    on its P ranks is given for comparison."""
-    if schedule == "interleaved_1f1b":
-        ranks = p // per_rank
-        return "(P-1)/(vm+P-1)", (ranks - 1) / (per_rank * m + ranks - 1)
-    if schedule == "zero_bubble_v":  # list-scheduled: no closed form; ZB-H1 on its P ranks
-        ranks = p // 2
-        return "(none; ZB-H1's on P ranks, (P-1)/(3m+P-1))", (ranks - 1) / (3 * m + ranks - 1)
-    if schedule == "zero_bubble":
-        if m >= p:
-            return "(p-1)/(3m+p-1)", (p - 1) / (3 * m + p - 1)
-        return "(2p-m-1)/(2m+2p-1) (m < p)", (2 * p - m - 1) / (2 * m + 2 * p - 1)
-    return "(p-1)/(m+p-1)", (p - 1) / (m + p - 1)
+    """The published idle fraction of one copy's schedule of ``p`` stages (``per_rank`` on
+    each pipeline rank) with m micro-batches, as text and value: the schedule's own entry
+    (fxpar.core.schedule.SCHEDULES, ``bubble`` over p / per_rank pipeline ranks)."""
+    return SCHEDULE_RULES[schedule].bubble(p // per_rank, m, per_rank)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,10 +25,11 @@ from typing import Any, Literal
 
 import torch
 
-from fxpar.core.schedule import v_position
+from fxpar.core.schedule import SCHEDULES as SCHEDULE_RULES
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b", "zero_bubble_v")
-VIRTUAL = ("interleaved_1f1b", "zero_bubble_v")
+SCHEDULES = tuple(SCHEDULE_RULES)
+"""The names ``Plan.schedule`` takes (fxpar.core.schedule.SCHEDULES: one entry each)."""
+VIRTUAL = tuple(n for n, rule in SCHEDULE_RULES.items() if rule.virtual)
 """Schedules that place several stages on each rank (``Plan.stages_per_rank``)."""
 SLICES = ("vertical", "horizontal", "square", "slab", "pencil", "cube")
 RECOMPUTE = ("never", "always", "except_last", "auto")
@@ -209,9 +210,10 @@ class Plan:
             out.append(
                 f"Plan.spatial_stages={self.spatial_stages} exceeds stages={self.stages}: "
                 f"set spatial_stages <= stages (the spatial stages are the leading ones)")
-        if ok:
+        rule = SCHEDULE_RULES.get(self.schedule)  # None: refused above
+        if ok and rule is not None:
             out += self._virtual_problems()
-        if ok and self.schedule in ("zero_bubble", "zero_bubble_v") and \
+        if ok and rule is not None and rule.splits_backward and \
                 self.recompute_segments > 1:
             out.append(f"Plan.schedule={self.schedule!r} splits each backward into input and "
                        f"weight gradients, which checkpoint segments would recompute twice: use "
@@ -238,28 +240,12 @@ class Plan:
 
     def _virtual_problems(self) -> list[str]:
         """What stops ``stages_per_rank`` / the interleaved schedule (fields already valid)."""
-        v, out = self.stages_per_rank, []
-        if self.schedule == "interleaved_1f1b" and v < 2:
-            out.append("Plan.schedule='interleaved_1f1b' places several stages on each rank: "
-                       "set stages_per_rank >= 2 (with stages a multiple of it), or use "
-                       "schedule='1f1b'")
-        if self.schedule == "zero_bubble_v" and v != 2:
-            out.append(f"Plan.schedule='zero_bubble_v' places 2 stages on each rank in a V: set "
-                       f"stages_per_rank=2 (got {v}) and stages to twice the pipeline ranks")
-        if v > 1 and self.schedule not in VIRTUAL:
-            out.append(f"Plan.stages_per_rank={v} needs schedule='interleaved_1f1b' or "
-                       f"'zero_bubble_v' (the schedules that run several stages per rank); "
-                       f"{self.schedule!r} runs one stage per rank: set stages_per_rank=1")
+        v = self.stages_per_rank
+        out = SCHEDULE_RULES[self.schedule].problems(self.stages, v, self.microbatches)
         if v > 1 and self.stages % v:
             out.append(f"Plan.stages={self.stages} is not a multiple of stages_per_rank={v}: "
                        f"each rank holds stages_per_rank stages, so use stages = "
                        f"{max(v, self.stages // v * v)} or {(self.stages // v + 1) * v}")
-        elif v > 1 and self.schedule == "interleaved_1f1b" and \
-                self.microbatches % (self.stages // v):
-            ranks = self.stages // v
-            out.append(f"Plan.schedule='interleaved_1f1b' runs micro-batches in rounds of one "
-                       f"per pipeline rank ({ranks}): make microbatches a multiple of {ranks} "
-                       f"(got {self.microbatches})")
         elif v > 1 and self.spatial_parts > 1 and self.spatial_stages != self.stages:
             out.append(f"Plan.stages_per_rank={v} puts stages s and s+{self.stages // v} on one "
                        f"rank group, so they must have the same tiles: make every stage spatial "
@@ -273,10 +259,8 @@ class Plan:
 
     def position(self, stage: int) -> int:
         """The pipeline rank (0 .. pipeline_ranks - 1) that holds ``stage``: round robin, or
-        a V for zero_bubble_v (fxpar.core.schedule.v_position)."""
-        if self.schedule == "zero_bubble_v":
-            return v_position(stage, self.pipeline_ranks)
-        return stage % self.pipeline_ranks
+        a V for zero_bubble_v (the schedule's rule, fxpar.core.schedule.SCHEDULES)."""
+        return SCHEDULE_RULES[self.schedule].position(stage, self.pipeline_ranks)
 
     @property
     def spatial(self) -> bool:

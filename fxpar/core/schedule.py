@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "STEP")
@@ -209,8 +210,94 @@ def zero_bubble_v(stages: int, microbatches: int, copy: int = 0) -> StageOrder:
     return out
 
 
-GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zero_bubble": zero_bubble}
-"""One stage per rank: ``generator(stages, microbatches, copy)``, keyed by stage."""
+def _round_robin(stage: int, ranks: int) -> int:
+    return stage % ranks
+
+
+def _one_per_rank(name: str) -> Callable[[int, int, int], list[str]]:
+    def problems(stages: int, per_rank: int, microbatches: int) -> list[str]:
+        if per_rank == 1:
+            return []
+        return [f"Plan.stages_per_rank={per_rank} needs schedule='interleaved_1f1b' or "
+                f"'zero_bubble_v' (the schedules that run several stages per rank); "
+                f"{name!r} runs one stage per rank: set stages_per_rank=1"]
+    return problems
+
+
+def _interleaved_problems(stages: int, per_rank: int, microbatches: int) -> list[str]:
+    if per_rank < 2:
+        return ["Plan.schedule='interleaved_1f1b' places several stages on each rank: set "
+                "stages_per_rank >= 2 (with stages a multiple of it), or use schedule='1f1b'"]
+    ranks = stages // per_rank
+    if stages % per_rank == 0 and microbatches % ranks:
+        return [f"Plan.schedule='interleaved_1f1b' runs micro-batches in rounds of one per "
+                f"pipeline rank ({ranks}): make microbatches a multiple of {ranks} (got "
+                f"{microbatches})"]
+    return []
+
+
+def _zbv_problems(stages: int, per_rank: int, microbatches: int) -> list[str]:
+    if per_rank == 2:
+        return []
+    return [f"Plan.schedule='zero_bubble_v' places 2 stages on each rank in a V: set "
+            f"stages_per_rank=2 (got {per_rank}) and stages to twice the pipeline ranks"]
+
+
+def _fill_drain(p: int, m: int, v: int) -> tuple[str, float]:
+    return "(p-1)/(m+p-1)", (p - 1) / (m + p - 1)
+
+
+def _zb_h1(p: int, m: int, v: int) -> tuple[str, float]:
+    if m >= p:
+        return "(p-1)/(3m+p-1)", (p - 1) / (3 * m + p - 1)
+    return "(2p-m-1)/(2m+2p-1) (m < p)", (2 * p - m - 1) / (2 * m + 2 * p - 1)
+
+
+def _interleaved_bubble(p: int, m: int, v: int) -> tuple[str, float]:
+    return "(p-1)/(vm+p-1)", (p - 1) / (v * m + p - 1)
+
+
+def _zbv_bubble(p: int, m: int, v: int) -> tuple[str, float]:  # list-scheduled: none
+    return "(none; ZB-H1's on p ranks, (p-1)/(3m+p-1))", (p - 1) / (3 * m + p - 1)
+
+
+@dataclass(frozen=True)
+class ScheduleRule:
+    """Everything fxpar knows of one pipeline schedule, in one entry of :data:`SCHEDULES`:
+    adding a schedule is one entry (and its generator) plus its tests."""
+
+    order: Callable[[int, int, int, int], StageOrder]
+    """``order(stages, microbatches, copy, per_rank)``: each pipeline rank's compute order."""
+    problems: Callable[[int, int, int], list[str]]
+    """``problems(stages, stages_per_rank, microbatches)``: what a plan must change for it."""
+    bubble: Callable[[int, int, int], tuple[str, float]]
+    """``bubble(p, m, v)``: the published idle fraction over p pipeline ranks with m
+    micro-batches and v stages per rank (unit costs F=1, B=2, or B=W=1 where the backward is
+    split; free communication), as formula text and value."""
+    position: Callable[[int, int], int] = _round_robin
+    """``position(stage, ranks)``: the pipeline rank that holds ``stage``."""
+    virtual: bool = False
+    """Several stages on each rank (``Plan.stages_per_rank``)."""
+    splits_backward: bool = False
+    """The backward runs as B (input gradients) and W (weight gradients)."""
+    closed_form: bool = True
+    """False: no published formula (``bubble`` gives a comparison; the simulator is exact)."""
+
+
+SCHEDULES: dict[str, ScheduleRule] = {
+    "gpipe": ScheduleRule(lambda s, m, c, v: gpipe(s, m, c), _one_per_rank("gpipe"),
+                          _fill_drain),
+    "1f1b": ScheduleRule(lambda s, m, c, v: one_f_one_b(s, m, c), _one_per_rank("1f1b"),
+                         _fill_drain),
+    "zero_bubble": ScheduleRule(lambda s, m, c, v: zero_bubble(s, m, c),
+                                _one_per_rank("zero_bubble"), _zb_h1, splits_backward=True),
+    "interleaved_1f1b": ScheduleRule(interleaved_1f1b, _interleaved_problems,
+                                     _interleaved_bubble, virtual=True),
+    "zero_bubble_v": ScheduleRule(lambda s, m, c, v: zero_bubble_v(s, m, c), _zbv_problems,
+                                  _zbv_bubble, position=v_position, virtual=True,
+                                  splits_backward=True, closed_form=False),
+}
+"""The pipeline schedules, by ``Plan.schedule`` name (docs/schedules.md)."""
 
 Links = dict[int, set[int]]
 """Forward data links between stages: ``links[a]`` = stages that receive from stage a."""
@@ -247,12 +334,7 @@ def pipeline(stages: int, microbatches: int, name: str = "gpipe",
     """Per pipeline rank (keyed by its index; with one stage per rank, the stage): compute
     order, communication, and a final STEP. ``per_rank`` > 1: stages each rank holds
     (``interleaved_1f1b``)."""
-    if name == "interleaved_1f1b":
-        order = interleaved_1f1b(stages, microbatches, copy, per_rank)
-    elif name == "zero_bubble_v":
-        order = zero_bubble_v(stages, microbatches, copy)
-    else:
-        order = GENERATORS[name](stages, microbatches, copy)
+    order = SCHEDULES[name].order(stages, microbatches, copy, per_rank)
     links = links if links is not None else chain(stages)
     return {p: [*add_comm(acts, links), Action("STEP")] for p, acts in order.items()}
 

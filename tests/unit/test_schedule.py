@@ -183,3 +183,28 @@ def test_grid_marks_the_failing_cell():
     grid = format_grid(pipeline(2, 1), mark=(1, 1))
     assert grid.splitlines()[0].split() == ["step", "rank", "0", "rank", "1"]
     assert "1F0 <-- ERROR HERE" in grid.splitlines()[2]
+
+
+def test_each_schedule_is_one_entry_of_the_registry():
+    """fxpar.core.schedule.SCHEDULES holds every schedule: the Plan field's type, the CLI
+    choices and the plan checks come from it, and each entry's generator runs every forward
+    and backward of every micro-batch on every stage once."""
+    import typing
+
+    from fxpar.core import plan as plan_module
+    from fxpar.core.schedule import SCHEDULES, Action, pipeline
+
+    hints = typing.get_type_hints(plan_module.Plan)
+    assert typing.get_args(hints["schedule"]) == tuple(SCHEDULES) == plan_module.SCHEDULES
+    for name, rule in SCHEDULES.items():
+        v = 2 if rule.virtual else 1
+        stages, m = 2 * v, 4
+        assert not plan_module.Plan(stages=stages, microbatches=m, schedule=name,
+                                    stages_per_rank=v).problems()
+        done = [a for acts in pipeline(stages, m, name, per_rank=v).values() for a in acts
+                if a.kind in ("F", "B")]
+        want = sorted(Action(k, s, mb) for k in ("F", "B") for s in range(stages)
+                      for mb in range(m))
+        assert sorted(done) == want, name
+        text, value = rule.bubble(stages // v, m, v)
+        assert 0 <= value < 1 and text
