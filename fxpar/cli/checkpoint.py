@@ -20,12 +20,11 @@ from fxpar.io.checkpoint import (
     CheckpointError,
     ShardCheck,
     _open,
-    _some,
     check_shards,
     damaged,
     export,
 )
-from fxpar.io.checkpoint_folder import complete, read_latest, version_folders
+from fxpar.io.checkpoint_folder import complete, read_latest, some_keys, version_folders
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{len(state) - n_params} buffers, {size / 2**20:.2f} MiB) of step "
           f"{manifest['step']}, from a {manifest['world_size']}-rank checkpoint")
     if manifest["unsaved"]:
-        print(f"not in the checkpoint (used by no stage): {_some(manifest['unsaved'])}")
+        print(f"not in the checkpoint (used by no stage): {some_keys(manifest['unsaved'])}")
     return 0
 
 
