@@ -75,3 +75,17 @@ class CompiledProgram(Protocol):
     def materialize(self, rank: int) -> None: ...
 
     def stage_modules(self, rank: int) -> dict[tuple[int, int], nn.Module]: ...
+
+
+class RunnableProgram(CompiledProgram, Protocol):
+    """What a rank program reads of its compiled program (fxpar.io.rank.RankProgram), beyond
+    what emission reads: the optimizer factory, how a tiled output's loss runs, the bound
+    predictor, a meta-built model's modules, and each state_dict name's position."""
+
+    optimizer: Callable[..., Any] | None
+    loss_tiles: Any
+    predictor: Callable[..., Any] | None
+    meta_model: nn.Module | None
+
+    @property
+    def name_order(self) -> dict[str, int]: ...
