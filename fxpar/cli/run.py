@@ -36,7 +36,7 @@ import torch
 from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg, user_error
 from fxpar.cli.auto import AutoUsageError, add_args, check_no_layout, choose
 from fxpar.cli.losses import LOSSES, LossArgError, make_loss
-from fxpar.cli.train import (
+from fxpar.cli.train import (  # train and finish: re-exported (scripts import them here)
     Job,
     add_eval_args,
     check_eval_args,
@@ -44,6 +44,8 @@ from fxpar.cli.train import (
     resume,
     run,
 )
+from fxpar.cli.train import finish as finish
+from fxpar.cli.train import train as train
 from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import compile as fx_compile

@@ -23,6 +23,7 @@ import torch
 from fxpar.core.geometry import Rect
 from fxpar.io.data import Batch, BatchSource, DataError
 from fxpar.io.evaluate import BEST, SEGMENT_ONLY, Validation
+from fxpar.io.metrics import Recorder
 from fxpar.io.program import RankProgram
 from fxpar.io.samples import SampleBatches
 from fxpar.train.trainer import TrainConfig, Trainer
@@ -117,3 +118,15 @@ def run(job: Job, a: argparse.Namespace, start: int) -> dict[str, Any] | None:
     """Collective: train from step ``start`` with validation and checkpoints, then the
     closing metrics (Trainer.fit)."""
     return trainer(job, a).fit(start)
+
+
+def train(rp: RankProgram, batches: Callable[[int], Batch], args: argparse.Namespace,
+          start_step: int = 0, after_step: Callable[[int], None] | None = None) -> Recorder:
+    """fxpar-run's steps on its flags (``Trainer.train``; kept for scripts that call it)."""
+    return Trainer(rp, config(args), batches).train(start_step, after_step)
+
+
+def finish(job: Job, rec: Recorder, a: argparse.Namespace,
+           evals: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+    """Collective: the closing metrics of a run (``Trainer.finish``; kept for scripts)."""
+    return Trainer(job.rp, config(a), _batches(job)).finish(rec, evals)

@@ -197,11 +197,13 @@ class Trainer:
             if self.rp.rank == 0:
                 print(f"checkpoint: step {n} -> {c.checkpoint}", flush=True)
 
-    def finish(self, rec: Recorder) -> dict[str, Any] | None:
+    def finish(self, rec: Recorder, evals: list[dict[str, Any]] | None = None
+               ) -> dict[str, Any] | None:
         """Collective: gather the metrics; rank 0 prints the table and writes ``metrics``
-        (with the validation results under "eval")."""
+        (with the validation results under "eval": ``evals``, default this run's)."""
         rp, c = self.rp, self.config
-        evals = None if self.evals is None else self.evals.history
+        if evals is None and self.evals is not None:
+            evals = self.evals.history
         metrics = gather(rec, c.name, rp.program.batch_size, evals)
         if metrics is None:
             return None
