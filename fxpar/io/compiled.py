@@ -5,7 +5,7 @@ protocol, so it depends on no module above it (``Program.save`` calls it)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -89,3 +89,21 @@ class RunnableProgram(CompiledProgram, Protocol):
 
     @property
     def name_order(self) -> dict[str, int]: ...
+
+
+def input_window_of(program: Any, stages: Iterable[tuple[int, int]], rank: int,
+                    image: tuple[int, ...] | None = None) -> Rect | None:
+    """The box of the model input that ``rank``'s ``stages`` ((copy, stage) pairs) read, as
+    ``program`` recorded it (``input_windows``); without records, the whole input of spatial
+    size ``image`` where a stage reads it, None where none does (RankProgram.input_window)."""
+    windows = program.input_windows
+    if windows is not None:
+        return windows[rank]
+    if not any(src.source == "batch" for _copy, stage in stages
+               for src in program.graph.inputs[stage]):
+        return None
+    if image is None:
+        raise ValueError(f"rank {rank} reads the whole model input but its program does not "
+                         f"record the image size: pass input_window(image=(H, W)), or "
+                         f"(D, H, W) for a volume")
+    return Rect.whole(tuple(image))

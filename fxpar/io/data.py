@@ -62,6 +62,7 @@ import torch
 
 from fxpar.core.geometry import Rect
 from fxpar.io import volumes
+from fxpar.io.compiled import input_window_of
 from fxpar.io.errors import DataError as DataError  # re-exported: users catch it here
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def input_window(rp: RankProgram, image: tuple[int, ...] | None = None) -> Rect 
     before fxpar recorded them): the whole image or volume, of spatial size ``image`` ((H, W)
     or (D, H, W)), where a stage of the rank reads the input (see
     ``RankProgram.input_window``, which this is)."""
-    return rp.input_window(image)
+    return input_window_of(rp.program, rp.stages, rp.rank, image)
 
 
 def _slices(window: Rect) -> tuple[slice, ...]:

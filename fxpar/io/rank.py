@@ -23,7 +23,7 @@ from fxpar.core.plan import PRECISION_DTYPES, Plan, PlanError
 from fxpar.core.roles import chunks_per_copy, first_chunk
 from fxpar.core.schedule import Action, format_grid
 from fxpar.io.checkpoint_folder import CheckpointError, some_keys
-from fxpar.io.compiled import RunnableProgram
+from fxpar.io.compiled import RunnableProgram, input_window_of
 from fxpar.io.groups import communicators, stage_syncs, tile_groups
 from fxpar.io.tileloss import TileLoss
 from fxpar.runtime.guard import StepGuard
@@ -301,17 +301,7 @@ class RankProgram:
         image: the input's spatial sizes ((H, W) or (D, H, W)), used only when the program
         records no windows (``Program.input_windows`` is None): then a rank that reads the
         input reads all of it."""
-        windows = self.program.input_windows
-        if windows is not None:
-            return windows[self.rank]
-        if not any(src.source == "batch" for _copy, stage in self.stages
-                   for src in self.program.graph.inputs[stage]):
-            return None
-        if image is None:
-            raise ValueError(f"rank {self.rank} reads the whole model input but its program does "
-                             f"not record the image size: pass input_window(image=(H, W)), or "
-                             f"(D, H, W) for a volume")
-        return Rect.whole(tuple(image))
+        return input_window_of(self.program, self.stages, self.rank, image)
 
     @property
     def needs_targets(self) -> bool:
