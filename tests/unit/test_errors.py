@@ -11,6 +11,8 @@ from pathlib import Path
 import helpers.errors_catalogue as cat
 import pytest
 
+pytestmark = pytest.mark.slow  # runs every trigger of the catalogue: make test, not test-quick
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

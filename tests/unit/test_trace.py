@@ -27,6 +27,7 @@ if os.environ.get("FXPAR_LIBRARY_MATRIX") == "1":
             "mobilenet_v2", "regnet_y_400mf", "squeezenet1_0", "mnasnet1_0"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ZOO)
 def test_torchvision_zoo_traces_with_shapes_and_costs(name):
     model = build_model(f"torchvision:{name}", num_classes=7, meta=True)
