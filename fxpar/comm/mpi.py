@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from fxpar.comm.failfast import mpi
-from fxpar.comm.route import BITCAST, Route, as_buffer, nothing
+from fxpar.comm.route import BITCAST, Route, nothing
 from fxpar.comm.watchdog import watching
 from fxpar.core.messages import MPI_TAG_UB_MIN
 
@@ -92,8 +92,6 @@ class Comm:
                  route: Route | None = None, poll: float | None = None) -> None:
         self._c = mpi_comm if mpi_comm is not None else _mpi().COMM_WORLD
         self._route = route if route is not None else Route(stage, poll)
-        self._plain = not self._route.force
-        """CPU tensors go to MPI as they are (the fast path; False when staging is forced)."""
 
     def _sub(self, mpi_comm: Any) -> Comm:
         """A communicator over ``mpi_comm`` sharing this one's device route."""
@@ -130,42 +128,39 @@ class Comm:
         return int(ub) if ub is not None else MPI_TAG_UB_MIN
 
     # -- point to point ---------------------------------------------------------------------
+    def _request(self, req: Any, buf: object, done: Callable[[], None],
+                 what: Callable[[], str]) -> Request:
+        return Request(req, buf, done, what, self._route.poll)
+
+    def _wait(self, blocking: Callable[[], object], start: Callable[[], Any]) -> None:
+        """Run MPI's blocking call, or with ``FXPAR_POLL`` start its nonblocking twin and
+        poll it (fxpar.comm.route.Route.poll)."""
+        if self._route.poll is None:
+            blocking()
+        else:
+            _complete(start(), self._route.poll)
+
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Request:
         """Start sending ``t`` to ``dst`` (a non-contiguous ``t`` is sent from a copy)."""
-        if self._plain and t.device.type == "cpu":
-            buf = as_buffer(t, writable=False)
-            return Request(self._c.Isend(buf, dest=dst, tag=tag), buf,
-                           what=lambda: self._p2p("send", t, "to", dst, tag),
-                           poll=self._route.poll)
         buf, done = self._route.out(t)
-        return Request(self._c.Isend(buf, dest=dst, tag=tag), buf, done,
-                       lambda: self._p2p("send", t, "to", dst, tag), self._route.poll)
+        return self._request(self._c.Isend(buf, dest=dst, tag=tag), buf, done,
+                             lambda: self._p2p("send", t, "to", dst, tag))
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Request:
         """Start receiving into ``t`` (contiguous) from ``src``; ``t`` holds the data once the
         request's ``wait`` returned."""
-        if self._plain and t.device.type == "cpu":
-            buf = as_buffer(t, writable=True)
-            return Request(self._c.Irecv(buf, source=src, tag=tag), buf,
-                           what=lambda: self._p2p("receive", t, "from", src, tag),
-                           poll=self._route.poll)
         buf, done = self._route.into(t)
-        return Request(self._c.Irecv(buf, source=src, tag=tag), buf, done,
-                       lambda: self._p2p("receive", t, "from", src, tag), self._route.poll)
+        return self._request(self._c.Irecv(buf, source=src, tag=tag), buf, done,
+                             lambda: self._p2p("receive", t, "from", src, tag))
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         with watching(lambda: self._p2p("send", t, "to", dst, tag)):
             self._send(t, dst, tag)
 
     def _send(self, t: torch.Tensor, dst: int, tag: int) -> None:
-        if self._plain and t.device.type == "cpu":
-            buf, done = as_buffer(t, writable=False), nothing
-        else:
-            buf, done = self._route.out(t)
-        if self._route.poll is None:
-            self._c.Send(buf, dest=dst, tag=tag)
-        else:
-            _complete(self._c.Isend(buf, dest=dst, tag=tag), self._route.poll)
+        buf, done = self._route.out(t)
+        self._wait(lambda: self._c.Send(buf, dest=dst, tag=tag),
+                   lambda: self._c.Isend(buf, dest=dst, tag=tag))
         done()
 
     def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
@@ -173,14 +168,9 @@ class Comm:
             return self._recv(t, src, tag)
 
     def _recv(self, t: torch.Tensor, src: int, tag: int) -> torch.Tensor:
-        if self._plain and t.device.type == "cpu":
-            buf, done = as_buffer(t, writable=True), nothing
-        else:
-            buf, done = self._route.into(t)
-        if self._route.poll is None:
-            self._c.Recv(buf, source=src, tag=tag)
-        else:
-            _complete(self._c.Irecv(buf, source=src, tag=tag), self._route.poll)
+        buf, done = self._route.into(t)
+        self._wait(lambda: self._c.Recv(buf, source=src, tag=tag),
+                   lambda: self._c.Irecv(buf, source=src, tag=tag))
         done()
         return t
 
@@ -192,17 +182,11 @@ class Comm:
 
     def _sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
                   tag: int) -> torch.Tensor:
-        if self._plain and send.device.type == "cpu" and recv.device.type == "cpu":
-            sbuf, sdone = as_buffer(send, writable=False), nothing
-            rbuf, rdone = as_buffer(recv, writable=True), nothing
-        else:
-            sbuf, sdone = self._route.out(send)
-            rbuf, rdone = self._route.into(recv)
-        if self._route.poll is None:
-            self._c.Sendrecv(sbuf, dest=dst, sendtag=tag, recvbuf=rbuf, source=src, recvtag=tag)
-        else:
-            _complete(self._c.Isendrecv(sbuf, dest=dst, sendtag=tag, recvbuf=rbuf, source=src,
-                                        recvtag=tag), self._route.poll)
+        sbuf, sdone = self._route.out(send)
+        rbuf, rdone = self._route.into(recv)
+        args = {"dest": dst, "sendtag": tag, "recvbuf": rbuf, "source": src, "recvtag": tag}
+        self._wait(lambda: self._c.Sendrecv(sbuf, **args),
+                   lambda: self._c.Isendrecv(sbuf, **args))
         sdone()
         rdone()
         return recv
@@ -225,29 +209,19 @@ class Comm:
             self._allreduce(wide, op)
             return t.copy_(wide)
         mpi = _mpi()
-        ops = {"sum": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN}
-        if self._plain and t.device.type == "cpu":
-            buf, done = as_buffer(t, writable=True), nothing
-        else:
-            buf, done = self._route.inout(t)
-        if self._route.poll is None:
-            self._c.Allreduce(mpi.IN_PLACE, buf, op=ops[op])
-        else:
-            _complete(self._c.Iallreduce(mpi.IN_PLACE, buf, op=ops[op]), self._route.poll)
+        reduce = {"sum": mpi.SUM, "max": mpi.MAX, "min": mpi.MIN}[op]
+        buf, done = self._route.inout(t)
+        self._wait(lambda: self._c.Allreduce(mpi.IN_PLACE, buf, op=reduce),
+                   lambda: self._c.Iallreduce(mpi.IN_PLACE, buf, op=reduce))
         done()
         return t
 
     def iallreduce(self, t: torch.Tensor) -> Request:
         """Start an in-place sum allreduce of ``t``."""
         mpi = _mpi()
-        if self._plain and t.device.type == "cpu":
-            buf = as_buffer(t, writable=True)
-            return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf,
-                           what=lambda: self._coll("allreduce (sum)", t),
-                           poll=self._route.poll)
         buf, done = self._route.inout(t)
-        return Request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf, done,
-                       lambda: self._coll("allreduce (sum)", t), self._route.poll)
+        return self._request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf, done,
+                             lambda: self._coll("allreduce (sum)", t))
 
     def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape on all ranks), in rank order, on ``t``'s device."""
@@ -256,9 +230,6 @@ class Comm:
 
     def _allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
-        if self._plain and t.device.type == "cpu":
-            self._c.Allgather(as_buffer(t, writable=False), as_buffer(out, writable=True))
-            return list(out.unbind(0))
         sbuf, sdone = self._route.out(t)
         rbuf, rdone = self._route.into(out)
         self._c.Allgather(sbuf, rbuf)
@@ -274,10 +245,6 @@ class Comm:
     def _gather(self, t: torch.Tensor, root: int) -> list[torch.Tensor] | None:
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device) \
             if self.rank == root else None
-        if self._plain and t.device.type == "cpu":
-            self._c.Gather(as_buffer(t, writable=False),
-                           as_buffer(out, writable=True) if out is not None else None, root=root)
-            return list(out.unbind(0)) if out is not None else None
         sbuf, sdone = self._route.out(t)
         rbuf, rdone = self._route.into(out) if out is not None else (None, nothing)
         self._c.Gather(sbuf, rbuf, root=root)
@@ -291,9 +258,6 @@ class Comm:
             return self._bcast(t, root)
 
     def _bcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
-        if self._plain and t.device.type == "cpu":
-            self._c.Bcast(as_buffer(t, writable=True), root=root)
-            return t
         buf, done = self._route.inout(t) if self.rank == root else self._route.into(t)
         self._c.Bcast(buf, root=root)
         done()
@@ -319,8 +283,8 @@ class Comm:
         with watching(lambda: self._coll("barrier")):
             if poll is None:
                 self._c.Barrier()
-                return
-            _complete(self._c.Ibarrier(), poll)
+            else:
+                _complete(self._c.Ibarrier(), poll)
 
     # -- descriptions for the watchdog (built only when it fires) -----------------------------
     def _world_rank(self, r: int) -> int:

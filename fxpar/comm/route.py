@@ -122,7 +122,8 @@ def nothing() -> None:
 
 
 class Route:
-    """How a communicator family moves non-CPU tensors (shared by a world and its splits)."""
+    """How a communicator family hands tensors to MPI (shared by a world and its splits):
+    CPU tensors through their own memory, CUDA ones directly or through staging."""
 
     def __init__(self, stage: bool | None = None, poll: float | None = None) -> None:
         if stage is None:
@@ -144,20 +145,34 @@ class Route:
         if t.device.type == "meta":
             raise ValueError("a meta tensor has no data to communicate: materialise it first")
 
-    def out(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+    def _plain(self, t: torch.Tensor) -> bool:
+        """A CPU tensor goes to MPI through its own memory (unless staging is forced)."""
         self._check(t)
-        if t.device.type == "cuda" and not self.force and self.aware():
+        return t.device.type == "cpu" and not self.force
+
+    def _direct(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda" and not self.force and self.aware()
+
+    def out(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+        """What MPI reads to send ``t``, and the call that releases it afterwards."""
+        if self._plain(t):
+            return as_buffer(t, writable=False), nothing
+        if self._direct(t):
             return direct(t, writable=False), nothing
         return self.staging.out(t)
 
     def into(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
-        self._check(t)
-        if t.device.type == "cuda" and not self.force and self.aware():
+        """What MPI writes to receive into ``t``, and the call that lands it there afterwards."""
+        if self._plain(t):
+            return as_buffer(t, writable=True), nothing
+        if self._direct(t):
             return direct(t, writable=True), nothing
         return self.staging.into(t)
 
     def inout(self, t: torch.Tensor) -> tuple[Any, Callable[[], None]]:
-        self._check(t)
-        if t.device.type == "cuda" and not self.force and self.aware():
+        """Both, for in-place collectives (reductions, broadcast roots)."""
+        if self._plain(t):
+            return as_buffer(t, writable=True), nothing
+        if self._direct(t):
             return direct(t, writable=True), nothing
         return self.staging.inout(t)
