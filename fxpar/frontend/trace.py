@@ -82,15 +82,23 @@ class _Analyzer(ShapeProp):
                 f"node {n.name!r} ({n.op} {n.target!r}) has Python control flow that depends on "
                 f"tensor values, which fxpar cannot analyse without running the model on real "
                 f"data. Express the choice with tensor ops (torch.where, masks) instead.") from e
-        tensors = [t for t in _flatten(result) if isinstance(t, torch.Tensor)]
-        meta.put(n, TensorInfo(tuple(tuple(int(s) for s in t.shape) for t in tensors),
-                               tuple(t.dtype for t in tensors)))
-        meta.put(n, NodeCost(flops=int(counter.get_total_flops()),
-                             # the output node only repeats its inputs' tensors
-                             out_bytes=0 if n.op == "output" else
-                             sum(t.numel() * t.element_size() for t in tensors),
-                             param_bytes=_owned_bytes(self.real_module, n)))
+        for annotation in _annotations(self.real_module, n, result,
+                                       int(counter.get_total_flops())):
+            meta.put(n, annotation)
         return result
+
+
+def _annotations(root: nn.Module, n: fx.Node, result: Any, flops: int
+                 ) -> tuple[TensorInfo, NodeCost]:
+    """Node ``n``'s shapes and costs from the value it computes (``result``) and its FLOPs."""
+    tensors = [t for t in _flatten(result) if isinstance(t, torch.Tensor)]
+    info = TensorInfo(tuple(tuple(int(s) for s in t.shape) for t in tensors),
+                      tuple(t.dtype for t in tensors))
+    return info, NodeCost(flops=flops,
+                          # the output node only repeats its inputs' tensors
+                          out_bytes=0 if n.op == "output" else
+                          sum(t.numel() * t.element_size() for t in tensors),
+                          param_bytes=_owned_bytes(root, n))
 
 
 def _flatten(x: Any) -> Iterable[Any]:
@@ -223,7 +231,6 @@ def _annotation(gm: fx.GraphModule, n: fx.Node, mode: FakeTensorMode
                 ) -> tuple[TensorInfo, NodeCost]:
     value = n.args[0] if n.op == "output" else n.meta["val"]
     vals = fx.node.map_arg(value, lambda a: a.meta["val"]) if n.op == "output" else value
-    tensors = [t for t in _flatten(vals) if isinstance(t, torch.Tensor)]
     flops = 0
     if not _counted_directly(n):
         fn = gm.get_submodule(str(n.target)) if n.op == "call_module" else n.target
@@ -240,12 +247,7 @@ def _annotation(gm: fx.GraphModule, n: fx.Node, mode: FakeTensorMode
         if count is not None:
             args = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
             flops = int(count(*args[0], **args[1], out_val=value))
-    info = TensorInfo(tuple(tuple(int(s) for s in t.shape) for t in tensors),
-                      tuple(t.dtype for t in tensors))
-    return info, NodeCost(flops=flops,
-                          out_bytes=0 if n.op == "output" else
-                          sum(t.numel() * t.element_size() for t in tensors),
-                          param_bytes=_owned_bytes(gm, n))
+    return _annotations(gm, n, vals, flops)
 
 
 def trace(model: nn.Module, *example_inputs: torch.Tensor | Sequence[int]) -> fx.GraphModule:
