@@ -7,8 +7,11 @@
                                   each rank's input window (the part of the image it reads)
     job/rank00001/rank.json       this rank's plan, roles (copy, stage, tile) and input window
     job/rank00001/actions.txt     this rank's action list for one training step, one per line
-    job/rank00001/c0_s1/module.py the stage's generated code: a torch.nn.Module and load()
+    job/rank00001/c0_s1/graph.json the stage as data: its fx graph and submodules
+                                  (fxpar.io.graphdata); what the loader builds the stage from
     job/rank00001/c0_s1/weights.pt its parameters and buffers, under the original model's names
+    job/rank00001/c0_s1/module.py the stage's generated code, for reading (and importing, by
+                                  choice: the loader never runs it)
 
 Why not ``GraphModule.to_folder``: it writes absolute paths into the code (the folder cannot
 move), pickles every child that is not one of seven layer types (a whole ResNet layer becomes
@@ -44,6 +47,7 @@ from fxpar.core.modelkeys import put
 from fxpar.core.plan import PlanError
 from fxpar.core.version import __version__
 from fxpar.io.compiled import CompiledProgram
+from fxpar.io.graphdata import NotData, graph_data
 from fxpar.io.layout import FORMAT, rank_folder, read_program, stage_folder
 
 __all__ = ["program_json", "put", "rank_sources", "read_program", "save",
@@ -168,6 +172,8 @@ class StageSource:
 
     code: str
     weights: dict[str, torch.Tensor]
+    graph: dict[str, Any]
+    """The module as data (fxpar.io.graphdata): what the loader builds it from."""
 
 
 def _referenced(gm: fx.GraphModule) -> list[str]:
@@ -268,7 +274,11 @@ def load(map_location: str | torch.device = "cpu") -> {class_name}:
     module.load_state_dict(state)
     return module.to(map_location)
 '''
-    return StageSource(text, {k: v.detach() for k, v in weights.items()})
+    try:
+        data = graph_data(gm)
+    except NotData as e:
+        raise PlanError(f"stage module {class_name} cannot be saved as data: {e}") from e
+    return StageSource(text, {k: v.detach() for k, v in weights.items()}, data)
 
 
 def _unread_state(gm: nn.Module, written: set[str], weights: dict[str, torch.Tensor]
@@ -443,6 +453,7 @@ def save(program: CompiledProgram, folder: str | os.PathLike[str],
             sdir = rdir / stage_folder(c, s)
             sdir.mkdir(exist_ok=True)
             _write(sdir / "module.py", src.code)
+            _write(sdir / "graph.json", json.dumps(src.graph, separators=(",", ":")) + "\n")
             _write(sdir / "__init__.py", "from .module import *  # noqa: F403\n")
             _save_tensor_file(sdir / "weights.pt", src.weights)
             rank_info["stages"][stage_folder(c, s)] = {"copy": c, "stage": s}

@@ -9,8 +9,9 @@ from typing import Any
 
 from fxpar.core.plan import PlanError
 
-FORMAT = 1
-"""The version of the saved layout (program.json's "fxpar_program")."""
+FORMAT = 2
+"""The version of the saved layout (program.json's "fxpar_program"). 2: each stage has
+``graph.json``, which the loader builds it from (1: the loader imported ``module.py``)."""
 
 
 def rank_folder(rank: int) -> str:

@@ -6,10 +6,8 @@ The folder layout and why the code is generated the way it is: see :mod:`fxpar.i
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from fxpar.core.modelkeys import ModelKeys
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.schedule import Action
 from fxpar.core.stages import StageGraph, StageInput, Transfer
+from fxpar.io.graphdata import build
 from fxpar.io.layout import rank_folder, read_program
 from fxpar.io.program import _LAUNCHER_VARS, OptimizerFactory, Program, RankProgram, SpatialInfo
 from fxpar.runtime.loop import LossFn
@@ -34,14 +33,19 @@ def _resolve(name: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(mod), attr)
 
 
-def _import_stage(sdir: Path, unique: str) -> nn.Module:
-    spec = importlib.util.spec_from_file_location(unique, sdir / "module.py")
-    if spec is None or spec.loader is None:
-        raise PlanError(f"cannot import {sdir / 'module.py'}")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[unique] = mod
-    spec.loader.exec_module(mod)
-    return mod.load()
+def _load_stage(sdir: Path, class_name: str) -> nn.Module:
+    """A stage from its ``graph.json`` and ``weights.pt`` (fxpar.io.graphdata): no code from
+    the folder runs (``module.py`` is there for reading)."""
+    try:
+        data = json.loads((sdir / "graph.json").read_text())
+    except (OSError, ValueError) as e:
+        raise PlanError(f"{sdir} has no readable graph.json ({e}): save the program "
+                        f"again") from e
+    state = torch.load(sdir / "weights.pt", map_location="cpu", weights_only=True)
+    try:
+        return build(data, state, class_name)
+    except PlanError as e:
+        raise PlanError(f"{sdir}: {e}") from e
 
 
 def _actions(path: Path) -> list[Action]:
@@ -92,8 +96,8 @@ def load(folder: str | os.PathLike[str], comm: Comm | None = None, *,
     rank_info = json.loads((rdir / "rank.json").read_text())
     stages: dict[tuple[int, int], nn.Module] = {}
     for name, where in rank_info["stages"].items():
-        stages[(where["copy"], where["stage"])] = _import_stage(
-            rdir / name, f"fxpar_saved_{abs(hash(str(root.resolve())))}_r{rank}_{name}")
+        stages[(where["copy"], where["stage"])] = _load_stage(rdir / name,
+                                                             f"Stage{where['stage']}")
     program = Program(plan=plan, rank_map=RankMap(plan), graph=_graph(info),
                       schedule={r: _actions(root / rank_folder(r) / "actions.txt")
                                 for r in range(n)},
