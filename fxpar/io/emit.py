@@ -47,7 +47,7 @@ from fxpar.core.modelkeys import put
 from fxpar.core.plan import PlanError
 from fxpar.core.version import __version__
 from fxpar.io.compiled import CompiledProgram
-from fxpar.io.graphdata import NotData, graph_data
+from fxpar.io.graphdata import graph_data
 from fxpar.io.layout import FORMAT, rank_folder, read_program, stage_folder
 
 __all__ = ["program_json", "put", "rank_sources", "read_program", "save",
@@ -276,7 +276,7 @@ def load(map_location: str | torch.device = "cpu") -> {class_name}:
 '''
     try:
         data = graph_data(gm)
-    except NotData as e:
+    except PlanError as e:
         raise PlanError(f"stage module {class_name} cannot be saved as data: {e}") from e
     return StageSource(text, {k: v.detach() for k, v in weights.items()}, data)
 

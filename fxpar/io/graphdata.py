@@ -45,18 +45,14 @@ _BUILTINS = {"getattr": getattr, "slice": slice, "len": len, "int": int, "float"
 """The builtins an fx graph calls (``getattr`` on a tensor, sizes)."""
 
 
-class NotData(Exception):
-    """A value, target or submodule that has no JSON form here."""
-
-
 def _qualified(obj: Any) -> str:
     mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if mod == "builtins" and qual in _BUILTINS:
         return f"builtins:{qual}"
     if not mod or not qual or "<" in qual or not _at_home(mod):
-        raise NotData(f"{obj!r} is not a function or class of {', '.join(HOMES)}")
+        raise PlanError(f"{obj!r} is not a function or class of {', '.join(HOMES)}")
     if resolve(f"{mod}:{qual}") is not obj:
-        raise NotData(f"{mod}.{qual} does not name {obj!r}")
+        raise PlanError(f"{mod}.{qual} does not name {obj!r}")
     return f"{mod}:{qual}"
 
 
@@ -87,7 +83,7 @@ def resolve(name: str) -> Any:
 
 # -- values -----------------------------------------------------------------------------------
 def encode(v: Any) -> Any:
-    """``v`` as JSON (see the module docstring)."""
+    """``v`` as JSON (see the module docstring); a PlanError for a value with no JSON form."""
     if v is None or isinstance(v, (bool, int, str)):
         return v
     if isinstance(v, float):
@@ -118,7 +114,7 @@ def encode(v: Any) -> Any:
         return {"dataclass": _qualified(type(v)),
                 "fields": {f.name: encode(getattr(v, f.name))
                            for f in dataclasses.fields(v) if f.init}}
-    raise NotData(f"no JSON form for a {type(v).__name__} ({v!r})")
+    raise PlanError(f"no JSON form for a {type(v).__name__} ({v!r})")
 
 
 _TORCH_ENUMS = {"dtype": torch.dtype, "memory_format": torch.memory_format,
@@ -220,7 +216,7 @@ def graph_data(gm: fx.GraphModule) -> dict[str, Any]:
     for path in dict.fromkeys(called):
         m = gm.get_submodule(path)
         if not hasattr(m, "emit_args"):
-            raise NotData(f"submodule {path} is a {type(m).__name__}, not one of fxpar's ops")
+            raise PlanError(f"submodule {path} is a {type(m).__name__}, not one of fxpar's ops")
         modules.append({"path": path, "class": _qualified(type(m)),
                         "args": encode(m.emit_args())})
     return {"fxpar_graph": FORMAT, "nodes": nodes, "modules": modules,
@@ -248,7 +244,7 @@ def _tensors(gm: nn.Module, modules: list[str]) -> list[dict[str, Any]]:
         if n.op == "get_attr" and str(n.target) not in listed:
             obj = _attr(gm, str(n.target))
             if not isinstance(obj, torch.Tensor):
-                raise NotData(f"attribute {n.target} is a {type(obj).__name__}, not a tensor")
+                raise PlanError(f"attribute {n.target} is a {type(obj).__name__}, not a tensor")
             out.append({"path": str(n.target), "parameter": False, "persistent": False})
             listed.add(str(n.target))
     return out

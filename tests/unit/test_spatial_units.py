@@ -320,3 +320,38 @@ def test_a_batch_op_under_a_plan_that_cuts_the_batch_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the whole batch on every tile: nothing to say
         fxpar.compile(model, fxpar.Plan(spatial_parts=2), example)
+
+
+def test_a_new_elementwise_op_is_one_entry_and_keeps_the_region_going():
+    """The elementwise table (fxpar.frontend.rules.pointwise) serves the model's region and
+    the loss alike: ``1 - g``, sin, erf, square and logit keep tiling, so the convolution after
+    them gets its halo exchange instead of running whole on every rank (the MPI half is
+    spatial_cases.py's ``elementwise`` op case)."""
+    from fxpar.frontend.rules.aten_ops import RULES, OpRule, rule
+    from fxpar.frontend.rules.dims import RULES as LOSS_RULES
+    from fxpar.frontend.rules.pointwise import POINTWISE
+
+    aten = torch.ops.aten
+    for packet in (aten.rsub, aten.sin, aten.special_erf, aten.square, aten.logit):
+        assert packet in POINTWISE and isinstance(RULES[packet], OpRule)
+        assert packet in LOSS_RULES
+    with pytest.raises(ValueError, match="two tile rules"):
+        rule(aten.rsub)(lambda n: None)
+
+    class Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Conv2d(3, 4, 3, padding=1)
+            self.b = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = self.a(x)
+            g = torch.sigmoid(y)
+            return self.b((1 - g) * torch.sin(y) + torch.special.erf(y) + torch.square(y)
+                          + torch.logit(g, 1e-3)).mean((2, 3))
+
+    program = fxpar.compile(Gate(), fxpar.Plan(spatial_parts=2), torch.empty(2, 3, 16, 16))
+    tile = program.stage_modules(0)[(0, 0)]
+    halos = [n for n in tile.graph.nodes if n.op == "call_module"
+             and type(tile.get_submodule(n.target)).__name__ == "HaloOp"]
+    assert len(halos) == 2, tile.graph

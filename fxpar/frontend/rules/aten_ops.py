@@ -1,9 +1,16 @@
 """How ATen ops (the graph ``torch.export`` captures, see fxpar.frontend.capture) run on tiles.
 
-The ATen ops that real CNNs use form a small closed set; each is one entry here, mapped to the
-op classes of fxpar.frontend.rules.opclass
-(Pointwise, Window, BatchNorm, Norm, Reduce). An op that is not
-listed returns None and ends the spatial region: it is never guessed at.
+The ATen ops that real CNNs use form a small closed set; each is one entry of :data:`RULES`
+(an :class:`OpRule`: the function that maps a use of the op to its op class of
+fxpar.frontend.rules.opkind -- Pointwise, Window, BatchNorm, Norm, Reduce -- and the message
+that says why a use it cannot tile is refused). The elementwise ops are one table
+(fxpar.frontend.rules.pointwise). An op that is not listed ends the spatial region: it is never
+guessed at. Adding an op is one entry::
+
+    @rule(aten.max_pool2d, aten.max_pool3d)
+    def _max_pool(n: fx.Node) -> Op | None:
+        ...
+        return Window("maxpool", k, s, p, d, fill=-math.inf, ...)
 
 Argument positions follow the ATen schemas (``torch.ops.aten.conv2d.default._schema``); a
 trailing argument left at its default is absent from ``node.args``, so every read goes through
@@ -13,6 +20,8 @@ trailing argument left at its default is absent from ``node.args``, so every rea
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,37 +30,51 @@ from torch import fx
 from fxpar.core import meta
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.opkind import BatchNorm, Norm, Op, Pointwise, Reduce, Window
+from fxpar.frontend.rules.pointwise import POINTWISE as POINTWISE  # re-exported: islands
 from fxpar.runtime.modules import BatchNormOp, DropoutOp
 from fxpar.runtime.spatial.interp import PADS, AxisMap
 
 aten = torch.ops.aten
 
-POINTWISE = {getattr(aten, name) for name in (
-    # activations and their in-place forms
-    "relu", "relu_", "relu6", "silu", "silu_", "sigmoid", "sigmoid_", "tanh", "tanh_", "gelu",
-    "gelu_", "hardswish", "hardswish_", "hardsigmoid", "hardsigmoid_", "hardtanh", "hardtanh_",
-    "leaky_relu", "leaky_relu_", "elu", "elu_", "mish", "mish_", "softplus", "prelu", "selu",
-    "selu_", "celu", "celu_", "log_sigmoid", "threshold", "threshold_",
-    # arithmetic
-    "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "neg", "abs", "exp", "log",
-    "sqrt", "rsqrt", "pow", "clamp", "clamp_", "clamp_min", "clamp_max", "reciprocal",
-    "maximum", "minimum", "where",
-    # copies and casts
-    "clone", "contiguous", "alias", "detach", "_to_copy", "to", "type_as",
-)}
-"""Ops whose output cell reads the same cell of each input (broadcasting allowed)."""
+@dataclass(frozen=True)
+class OpRule:
+    """How one ATen op runs on tiles: ``tile(node)`` gives its op class (fxpar.frontend.rules.
+    opkind: Pointwise, Window, BatchNorm, Norm, Reduce), or None where this use of it cannot
+    run on tiles; ``refusal(node)`` then says why, and what would (for messages). What the
+    passes do with the op class (halo widths from ``Window.needs``, receptive fields, the
+    halo exchange) follows from it, and its cost comes from torch's own FLOP table
+    (torch.utils.flop_counter): so a new op whose class fxpar knows is one entry here."""
 
-CHANNEL_SPLITS = {aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk,
-                  aten.tensor_split}
-"""Channel splits (CSPNet, Res2Net, MixConv, selective kernels): one output per piece, each
-read per pixel through ``getitem``. ``dim`` is their argument 2."""
+    tile: Callable[[fx.Node], Op | None]
+    refusal: Callable[[fx.Node], str] | None = None
 
-CHANNEL_SLICES = {aten.slice: 1, aten.narrow: 1}
-"""Slices of the channel (or batch) dim (DPN, ReXNet): the position of ``dim``."""
+
+RULES: dict[Any, OpRule] = {}
+"""One entry per ATen op (overload packet): :func:`rule` adds them."""
 
 REDUCTIONS = {aten.mean: "mean", aten.sum: "sum", aten.amax: "amax"}
 """Reductions: over H and W of the whole image (replicated result), or over channels only
 with ``keepdim`` (CBAM's spatial attention: per pixel)."""
+
+
+def rule(*packets: Any, refusal: str | Callable[[fx.Node], str] | None = None
+         ) -> Callable[[Callable[[fx.Node], Op | None]], Callable[[fx.Node], Op | None]]:
+    """Register the decorated ``tile(node)`` as the rule of ``packets``; ``refusal``: why a
+    use of them the rule returns None for is refused (a text, or a function of the node)."""
+    why = (lambda _n, text=refusal: text) if isinstance(refusal, str) else refusal
+
+    def register(tile: Callable[[fx.Node], Op | None]) -> Callable[[fx.Node], Op | None]:
+        for packet in packets:
+            if packet in RULES:
+                raise ValueError(f"two tile rules for {packet}")
+            RULES[packet] = OpRule(tile, why)
+        return tile
+    return register
+
+
+def refuse(*packets: Any, refusal: str | Callable[[fx.Node], str]) -> None:
+    """Ops that never run on tiles, with the message that says so (no rule to try)."""
+    rule(*packets, refusal=refusal)(lambda _n: None)
 
 
 def arg(n: fx.Node, i: int, default: Any) -> Any:
@@ -89,76 +112,171 @@ def classify_module(m: torch.nn.Module, path: str) -> Op | None:
 
 
 def classify_aten(n: fx.Node) -> Op | None:
-    """How the ATen op ``n`` runs on tiles, or None."""
+    """How the ATen op ``n`` runs on tiles (its :data:`RULES` entry), or None."""
     f = n.target
     if not isinstance(f, torch._ops.OpOverload):
         return None
-    packet = f.overloadpacket
-    if packet in POINTWISE:
-        return Pointwise()
-    if packet is aten.cat:
-        out = _shape(n)
-        rank = len(out) if out is not None else 4
-        return Pointwise() if arg(n, 1, 0) % rank in (0, 1) else None
-    if packet is aten.slice and _spatial_slice(n):
-        return _crop(n)
-    if packet in CHANNEL_SPLITS or packet in CHANNEL_SLICES:
-        x = _shape(n.args[0])
-        dim = arg(n, CHANNEL_SLICES.get(packet, 2), 0)
-        return Pointwise() if x is not None and len(x) in (4, 5) and dim % len(x) in (0, 1) \
-            else None
-    if packet is aten.expand_as:  # a broadcast value (ECA's N x C x 1 x 1) to the image
-        return Pointwise()
-    if packet in REDUCTIONS:
-        return _reduction(n, REDUCTIONS[packet])
-    if packet in (aten.conv2d, aten.conv3d):
-        padding = arg(n, 4, 0)
-        if isinstance(padding, str):
-            return None
-        w = _shape(n.args[1])
-        assert w is not None
-        nd = len(w) - 2
-        return Window("conv", tuple(w[2:]), _ntuple(arg(n, 3, 1), nd), _ntuple(padding, nd),
-                      _ntuple(arg(n, 5, 1), nd))
-    if packet is aten.convolution:
-        return _convolution(n)
-    if packet in (aten.conv_transpose2d, aten.conv_transpose3d):
-        w = _shape(n.args[1])
-        assert w is not None
-        nd = len(w) - 2
-        return _transposed(tuple(w[2:]), _ntuple(arg(n, 3, 1), nd), _ntuple(arg(n, 4, 0), nd),
-                           _ntuple(arg(n, 5, 0), nd), _ntuple(arg(n, 7, 1), nd))
-    if packet in (aten.max_pool2d, aten.max_pool3d):
-        nd = 2 if packet is aten.max_pool2d else 3
-        k, s = _ntuple(arg(n, 1, None), nd), arg(n, 2, None)
-        return Window("maxpool", k, _ntuple(s, nd) if s else k,
-                      _ntuple(arg(n, 3, 0), nd), _ntuple(arg(n, 4, 1), nd), fill=-math.inf,
-                      attrs=(("ceil_mode", bool(arg(n, 5, False))),))
-    if packet in (aten.avg_pool2d, aten.avg_pool3d):
-        nd = 2 if packet is aten.avg_pool2d else 3
-        k, s = _ntuple(arg(n, 1, None), nd), arg(n, 2, None)
-        return Window("avgpool", k, _ntuple(s, nd) if s else k,
-                      _ntuple(arg(n, 3, 0), nd), (1,) * nd,
-                      attrs=(("ceil_mode", bool(arg(n, 4, False))),
-                             ("count_include_pad", bool(arg(n, 5, True))),
-                             ("divisor_override", arg(n, 6, None))))
-    if packet in (aten.constant_pad_nd, aten.pad):
-        return _pad(n)
-    if packet in (aten.reflection_pad2d, aten.reflection_pad3d, aten.replication_pad2d,
-                  aten.replication_pad3d):
-        return _pad(n)
-    if packet in UPSAMPLES:
-        return _upsample(n)
-    if packet is aten.group_norm:
-        return Norm(int(arg(n, 1, 1)), float(arg(n, 4, 1e-5)), 2, 3)
-    if packet is aten.instance_norm:
-        x = _shape(n.args[0])
-        if x is None or arg(n, 3, None) is not None or not arg(n, 5, True):
-            return None  # running statistics: mode-dependent, not handled on tiles
-        return Norm(x[1], float(arg(n, 7, 1e-5)), 1, 2)
-    if packet in (aten.adaptive_avg_pool2d, aten.adaptive_avg_pool3d):
-        return _adaptive(n)
-    return None
+    entry = RULES.get(f.overloadpacket)
+    return None if entry is None else entry.tile(n)
+
+
+def why_not_aten(n: fx.Node) -> str:
+    """Why :func:`classify_aten` refuses ``n``, and what would let it run on tiles."""
+    f = n.target
+    entry = RULES.get(getattr(f, "overloadpacket", None))
+    if entry is not None and entry.refusal is not None:
+        return entry.refusal(n)
+    name = str(getattr(f, "overloadpacket", f)).removeprefix("aten.")
+    return f"fxpar has no tiling rule for aten.{name}, so it never guesses"
+
+
+# -- the rules, one entry per op --------------------------------------------------------------
+for _packet in POINTWISE:
+    RULES[_packet] = OpRule(lambda _n: Pointwise())
+
+
+@rule(aten.cat, refusal="it concatenates along a spatial dim (D, H or W): tiles can only be "
+                        "concatenated along the batch or channel dims")
+def _cat(n: fx.Node) -> Op | None:
+    out = _shape(n)
+    rank = len(out) if out is not None else 4
+    return Pointwise() if arg(n, 1, 0) % rank in (0, 1) else None
+
+
+_SLICES = ("only slices with step 1 of a spatial dim (crops) or of the batch / channel dims "
+           "run on tiles")
+
+
+@rule(aten.slice, refusal=_SLICES)
+def _slice(n: fx.Node) -> Op | None:
+    return _crop(n) if _spatial_slice(n) else _channels(n, 1)
+
+
+@rule(aten.narrow, refusal=_SLICES)
+def _narrow(n: fx.Node) -> Op | None:
+    return _channels(n, 1)
+
+
+@rule(aten.split, aten.split_with_sizes, aten.unsafe_split, aten.chunk, aten.tensor_split,
+      refusal="only splits of the batch or channel dims run on tiles")
+def _split(n: fx.Node) -> Op | None:
+    """Channel splits (CSPNet, Res2Net, MixConv, selective kernels): one output per piece,
+    each read per pixel through ``getitem``."""
+    return _channels(n, 2)
+
+
+def _channels(n: fx.Node, dim_at: int) -> Op | None:
+    """Per pixel when the op's dim (argument ``dim_at``) is the batch or channel dim."""
+    x = _shape(n.args[0])
+    dim = arg(n, dim_at, 0)
+    return Pointwise() if x is not None and len(x) in (4, 5) and dim % len(x) in (0, 1) \
+        else None
+
+
+@rule(aten.expand_as)
+def _expand_as(n: fx.Node) -> Op | None:
+    return Pointwise()  # a broadcast value (ECA's N x C x 1 x 1) to the image
+
+
+@rule(aten.sum, aten.mean, aten.amax,
+      refusal="only reductions over exactly the spatial dims (H and W, or D, H and W), or over "
+              "the channel dim with keepdim=True, run on tiles")
+def _reduce(n: fx.Node) -> Op | None:
+    return _reduction(n, REDUCTIONS[n.target.overloadpacket])
+
+
+@rule(aten.conv2d, aten.conv3d,
+      refusal=lambda n: "padding given as a string ('same'): give the padding as numbers"
+      if isinstance(arg(n, 4, 0), str) else "fxpar has no tiling rule for this convolution")
+def _conv(n: fx.Node) -> Op | None:
+    padding = arg(n, 4, 0)
+    if isinstance(padding, str):
+        return None
+    w = _shape(n.args[1])
+    assert w is not None
+    nd = len(w) - 2
+    return Window("conv", tuple(w[2:]), _ntuple(arg(n, 3, 1), nd), _ntuple(padding, nd),
+                  _ntuple(arg(n, 5, 1), nd))
+
+
+@rule(aten.convolution, refusal="only 2-D and 3-D convolutions run on tiles")
+def _convolution_rule(n: fx.Node) -> Op | None:
+    return _convolution(n)
+
+
+@rule(aten.conv_transpose2d, aten.conv_transpose3d,
+      refusal="a transposed convolution whose stride skips output rows no tap reaches is "
+              "not tiled")
+def _conv_transpose(n: fx.Node) -> Op | None:
+    w = _shape(n.args[1])
+    assert w is not None
+    nd = len(w) - 2
+    return _transposed(tuple(w[2:]), _ntuple(arg(n, 3, 1), nd), _ntuple(arg(n, 4, 0), nd),
+                       _ntuple(arg(n, 5, 0), nd), _ntuple(arg(n, 7, 1), nd))
+
+
+@rule(aten.max_pool2d, aten.max_pool3d)
+def _max_pool(n: fx.Node) -> Op | None:
+    nd = 2 if n.target.overloadpacket is aten.max_pool2d else 3
+    k, s = _ntuple(arg(n, 1, None), nd), arg(n, 2, None)
+    return Window("maxpool", k, _ntuple(s, nd) if s else k, _ntuple(arg(n, 3, 0), nd),
+                  _ntuple(arg(n, 4, 1), nd), fill=-math.inf,
+                  attrs=(("ceil_mode", bool(arg(n, 5, False))),))
+
+
+@rule(aten.avg_pool2d, aten.avg_pool3d)
+def _avg_pool(n: fx.Node) -> Op | None:
+    nd = 2 if n.target.overloadpacket is aten.avg_pool2d else 3
+    k, s = _ntuple(arg(n, 1, None), nd), arg(n, 2, None)
+    return Window("avgpool", k, _ntuple(s, nd) if s else k, _ntuple(arg(n, 3, 0), nd),
+                  (1,) * nd, attrs=(("ceil_mode", bool(arg(n, 4, False))),
+                                    ("count_include_pad", bool(arg(n, 5, True))),
+                                    ("divisor_override", arg(n, 6, None))))
+
+
+@rule(aten.constant_pad_nd, aten.pad, aten.reflection_pad2d, aten.reflection_pad3d,
+      aten.replication_pad2d, aten.replication_pad3d,
+      refusal="only constant, reflect and replicate padding of the spatial dims run on tiles "
+              "(circular padding would make a border tile read the opposite border)")
+def _padding(n: fx.Node) -> Op | None:
+    return _pad(n)
+
+
+@rule(aten.upsample_nearest2d, aten.upsample_bilinear2d, aten.upsample_nearest3d,
+      aten.upsample_trilinear3d,
+      refusal="only nearest, bilinear and trilinear interpolation of the spatial dims run on "
+              "tiles")
+def _interpolate(n: fx.Node) -> Op | None:
+    return _upsample(n)
+
+
+@rule(aten.group_norm)
+def _group_norm(n: fx.Node) -> Op | None:
+    return Norm(int(arg(n, 1, 1)), float(arg(n, 4, 1e-5)), 2, 3)
+
+
+@rule(aten.instance_norm, refusal="instance norm with running statistics "
+                                  "(track_running_stats=True) is not tiled; without them it is")
+def _instance_norm(n: fx.Node) -> Op | None:
+    x = _shape(n.args[0])
+    if x is None or arg(n, 3, None) is not None or not arg(n, 5, True):
+        return None  # running statistics: mode-dependent, not handled on tiles
+    return Norm(x[1], float(arg(n, 7, 1e-5)), 1, 2)
+
+
+@rule(aten.adaptive_avg_pool2d, aten.adaptive_avg_pool3d)
+def _adaptive_avg(n: fx.Node) -> Op | None:
+    return _adaptive(n)
+
+
+refuse(aten.adaptive_max_pool2d, aten.adaptive_max_pool3d,
+       refusal="adaptive max pooling is not tiled (adaptive average pooling to any size and amax "
+               "over H and W are)")
+_LAYOUT_OPS = ("view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",
+               "linear", "matmul", "bmm", "select", "expand", "unfold")
+refuse(*(getattr(aten, name) for name in _LAYOUT_OPS),
+       refusal=lambda n: f"aten.{n.target.overloadpacket.__name__} changes or indexes the H/W "
+                         f"layout; fxpar only tiles known ops")
 
 
 UPSAMPLES = {aten.upsample_nearest2d: ("nearest", 2), aten.upsample_bilinear2d: ("bilinear", 2),
@@ -301,37 +419,3 @@ def _upsample(n: fx.Node) -> Op | None:
     maps = tuple(AxisMap(mode, corners, x[2 + i], out[2 + i], None if f is None else float(f))
                  for i, f in enumerate(scales))
     return Window("interp", (1,) * nd, (1,) * nd, (0,) * nd, attrs=(("maps", maps),))
-
-
-def why_not_aten(n: fx.Node) -> str:
-    """Why :func:`classify_aten` refuses ``n``, and what would let it run on tiles."""
-    f = n.target
-    name = str(getattr(f, "overloadpacket", f)).removeprefix("aten.")
-    if name == "cat":
-        return ("it concatenates along a spatial dim (D, H or W): tiles can only be "
-                "concatenated along the batch or channel dims")
-    if name in ("conv2d", "convolution") and isinstance(arg(n, 4, 0), str):
-        return "padding given as a string ('same'): give the padding as numbers"
-    if name == "instance_norm":
-        return ("instance norm with running statistics (track_running_stats=True) is not "
-                "tiled; without them it is")
-    if name in ("adaptive_max_pool2d", "adaptive_max_pool3d"):
-        return ("adaptive max pooling is not tiled (adaptive average pooling to any size and "
-                "amax over H and W are)")
-    if name in ("sum", "mean", "amax"):
-        return ("only reductions over exactly the spatial dims (H and W, or D, H and W), or "
-                "over the channel dim with keepdim=True, run on tiles")
-    if name in ("pad", "constant_pad_nd") or name.startswith(("reflection_pad",
-                                                                "replication_pad")):
-        return ("only constant, reflect and replicate padding of the spatial dims run on tiles "
-                "(circular padding would make a border tile read the opposite border)")
-    if name.startswith("upsample"):
-        return ("only nearest, bilinear and trilinear interpolation of the spatial dims run "
-                "on tiles")
-    if name == "slice":
-        return ("only slices with step 1 of a spatial dim (crops) or of the batch / channel "
-                "dims run on tiles")
-    if name in ("view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",
-                "linear", "matmul", "bmm", "slice", "select", "split", "expand", "unfold"):
-        return f"aten.{name} changes or indexes the H/W layout; fxpar only tiles known ops"
-    return f"fxpar has no tiling rule for aten.{name}, so it never guesses"

@@ -30,6 +30,7 @@ from torch import fx
 from fxpar.core import meta
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.aten_ops import arg
+from fxpar.frontend.rules.pointwise import POINTWISE
 
 aten = torch.ops.aten
 
@@ -393,22 +394,8 @@ def getitem(n: fx.Node, ins: list[Any], st: _State) -> Any:
     return lays[int(n.args[1])] if isinstance(lays, Multi) else lays
 
 
-POINTWISE_OPS = (
-    "abs", "acos", "add", "addcdiv", "addcmul", "asin", "atan", "atan2", "bitwise_and",
-    "bitwise_not", "bitwise_or", "bitwise_xor", "ceil", "clamp", "clamp_max", "clamp_min",
-    "clone", "copy", "cos", "cosh", "div", "elu", "eq", "erf", "exp", "exp2", "expm1", "floor",
-    "fmod", "ge", "gelu", "gt", "hardtanh", "isinf", "isnan", "le", "leaky_relu", "lerp",
-    "lift_fresh_copy",
-    "log", "log10", "log1p", "log2", "log_sigmoid", "logical_and", "logical_not", "logical_or",
-    "logical_xor", "lt", "masked_fill", "maximum", "minimum", "mul", "ne", "neg", "pow",
-    "reciprocal", "relu", "remainder", "round", "rsqrt", "rsub", "sigmoid", "sign", "silu",
-    "sin", "sinh", "softplus", "sqrt", "square", "sub", "tan", "tanh", "trunc", "where",
-    "xlogy", "_to_copy", "to", "alias", "detach", "nan_to_num", "heaviside", "fill",
-    "zeros_like", "ones_like", "full_like", "empty_like", "bernoulli",
-)
-
 RULES: dict[Any, Rule] = {
-    **{getattr(aten, name): pointwise for name in POINTWISE_OPS if hasattr(aten, name)},
+    **dict.fromkeys(POINTWISE, pointwise), aten.bernoulli: pointwise,
     aten._softmax: along(1), aten._log_softmax: along(1), aten.softmax: along(1),
     aten.log_softmax: along(1), aten.cumsum: along(1),
     aten.sum: reduction("sum"), aten.mean: reduction("mean"), aten.amax: reduction("amax"),

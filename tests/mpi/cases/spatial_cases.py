@@ -152,7 +152,27 @@ class PyramidPool(nn.Module):
         return self.out(torch.cat([x, *pooled], dim=1))
 
 
+class Elementwise(nn.Module):
+    """Gates and encodings built from elementwise ops beyond the activations: ``1 - g``
+    (aten.rsub), sin / cos, erf, square, logit, sign, floor, expm1 (fxpar.frontend.rules.
+    pointwise); each runs on tiles, so the convolution after them does too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.conv2 = nn.Conv2d(6, 6, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        g = torch.sigmoid(y)
+        z = (1 - g) * y + torch.sin(y) * torch.cos(y) + torch.special.erf(y) \
+            + torch.square(y) * 0.1 + torch.logit(g, 1e-3) + torch.sign(y) * torch.floor(y) \
+            + torch.expm1(-y.abs())
+        return self.conv2(z)
+
+
 OPS = {
+    "elementwise": Elementwise,
     "conv_k1": lambda: nn.Sequential(nn.Conv2d(3, 6, 1), *_bn_relu(6)),
     "conv_k3": lambda: nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), *_bn_relu(6),
                                      nn.Conv2d(6, 6, 3, padding=1)),
