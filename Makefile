@@ -21,8 +21,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check fxpar passes models tools tests examples
 	$(PY) tools/check_imports.py
 
+# tests/unit (one process, one core) runs beside tests/mpi, whose oversubscribed ranks leave
+# about a third of the cores idle between and inside launches; its report follows the MPI one
 test: $(STAMP) lint
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider --durations=15 tests
+	@rm -f .test-unit.log .test-unit.rc
+	@( $(PY) -m pytest -q -p no:cacheprovider --durations=5 tests/unit > .test-unit.log 2>&1; \
+	   echo $$? > .test-unit.rc ) & \
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider --durations=15 \
+	    tests/mpi; mpi=$$?; wait; \
+	echo "== tests/unit (ran beside tests/mpi) =="; cat .test-unit.log; \
+	test "$$mpi" = 0 && test "$$(cat .test-unit.rc)" = 0
 
 # the edit loop: the one-process tests (tests/unit) without the slow ones, no mpiexec
 test-quick: $(STAMP)

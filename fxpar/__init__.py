@@ -2,13 +2,13 @@
 layer, pipeline, bidirectional (GEMS) and data-parallel training under MPI."""
 
 from fxpar.compiler.driver import compile, predict
-from fxpar.compiler.planner import AutoPlan, plan_auto
 from fxpar.compiler.predict import Prediction
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.version import __version__
 from fxpar.frontend.trace import TraceError, analyze, trace
-from fxpar.io.loader import load as load_program
-from fxpar.io.program import Program, RankProgram
+from fxpar.planner.planner import AutoPlan, plan_auto
+from fxpar.program.loader import load as load_program
+from fxpar.program.program import Program, RankProgram
 from fxpar.runtime.guard import NonFiniteError, ProgramFailed
 from fxpar.train.trainer import TrainConfig, Trainer
 

@@ -4,7 +4,7 @@ First this machine is calibrated (``mpiexec -n 2 fxpar-calibrate``: compute rate
 the links between two). Then, for each plan of the list (1 to 4 ranks; ResNet-50, AmoebaNet-D
 and U-Net; single rank, LP, PP with GPipe and 1F1B, SP on 2 and 4 tiles, GEMS, DP and mixes),
 a worker trains the model under ``mpiexec`` (1 warm-up step, then timed steps, median, one
-thread per rank) and the driver predicts the same step with ``fxpar.compiler.costmodel`` and
+thread per rank) and the driver predicts the same step with ``fxpar.perf.costmodel`` and
 the timed simulator, from the compiled program alone. The error is predicted / measured - 1;
 the table lists every plan, the summary the median and worst absolute error, and a scatter
 plot shows predicted against measured (docs/bench/costmodel_scatter.png).
@@ -88,7 +88,7 @@ def worker(a: argparse.Namespace) -> None:
     torch.manual_seed(0)
     from bench_memory import saved_step
 
-    from fxpar.compiler.memory import estimate
+    from fxpar.perf.memory import estimate
 
     plan = fxpar.Plan(**json.loads(a.plan))
     x, y = _data(a.model, a.batch, a.image)
@@ -121,9 +121,9 @@ def predict(model: str, fields: dict[str, Any], batch: int, image: int, profile:
     import torch
 
     import fxpar
-    from fxpar.compiler.costmodel import timing
     from fxpar.compiler.driver import links_of
-    from fxpar.compiler.simulate import simulate
+    from fxpar.perf.costmodel import timing
+    from fxpar.perf.simulate import simulate
 
     program = fxpar.compile(_build(model, meta=True), fxpar.Plan(**fields),
                             torch.empty(batch, 3, image, image, device="meta"))
@@ -143,7 +143,7 @@ def calibrate(opts: argparse.Namespace, out: Path) -> None:
 
 
 def run(opts: argparse.Namespace) -> dict[str, Any]:
-    from fxpar.compiler.profile import Profile
+    from fxpar.perf.profile import Profile
 
     q = bool(getattr(opts, "quick", False))
     models = [m.strip() for m in opts.costmodel_models.split(",") if m.strip()]
@@ -206,11 +206,11 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         f"and U-Net (base 16, depth 4, segmentation), batch {batch} at {image}x{image}, "
         f"float32, SGD with momentum. Memory: during the warm-up step each rank counts what "
         f"autograd saves for backward (saved-tensor hooks, storages once) and its peak RSS "
-        f"growth (VmHWM reset after compiling), next to `fxpar.compiler.memory.estimate` for "
+        f"growth (VmHWM reset after compiling), next to `fxpar.perf.memory.estimate` for "
         f"that rank. Each plan runs as a fresh `mpiexec -n RANKS` after a "
         f"quiet spell (`benchlib.measure`): 1 warm-up step, then {steps} timed steps; a "
         f"step's time is the slowest rank's, the launch's the median; {opts.rounds} round(s), "
-        f"rotated order, median over rounds. The prediction is `fxpar.compiler.costmodel."
+        f"rotated order, median over rounds. The prediction is `fxpar.perf.costmodel."
         f"timing` on the calibrated profile run through the timed simulator on the compiled "
         f"program (no run). Error: predicted / measured - 1.")
     return {

@@ -6,7 +6,7 @@
     the forward pass (``torch.autograd.graph.saved_tensors_hooks``, unique storages, parameters
     excluded) and the step's peak RSS growth (peak RSS after it minus RSS before it).
 (d) Largest image: without a GPU, an ESTIMATE from fxpar's memory estimator
-    (fxpar/compiler/memory.py, what ``fxpar-inspect --memory`` prints) of the largest square image,
+    (fxpar/perf/memory.py, what ``fxpar-inspect --memory`` prints) of the largest square image,
     a multiple of 256, whose busiest rank fits a per-rank budget (80 GiB) for P = 1..16 tiles.
     With a GPU, the single-GPU (P=1) value is also measured: real train steps, sizes tried
     until one runs out of memory.
@@ -123,7 +123,7 @@ def estimated_bytes(model: Any, parts: int, size: int) -> dict[str, int]:
     import torch
 
     import fxpar
-    from fxpar.compiler.memory import estimate
+    from fxpar.perf.memory import estimate
 
     plan = fxpar.Plan() if parts == 1 else fxpar.Plan(spatial_parts=parts, slice="square")
     program = fxpar.compile(model, plan, torch.empty(1, 3, size, size, device="meta"),
@@ -295,7 +295,7 @@ def section(measured: dict[str, dict[str, Any]], est: list[dict[str, Any]],
         f"what the step added at its peak (activations, gradients, momentum, temporaries; "
         f"'lower bound' where the step did not raise the process's earlier peak). Ratios are "
         f"the largest rank's value over the P=1 value. **Largest image**: estimated, not "
-        f"measured: fxpar's estimator (`fxpar/compiler/memory.py`, `fxpar-inspect --memory`: "
+        f"measured: fxpar's estimator (`fxpar/perf/memory.py`, `fxpar-inspect --memory`: "
         f"parameters, gradients, momentum, saved node outputs split over the tiles plus halos, "
         f"received buffers), plus the rank's input tile, for one image (batch 1) of a "
         f"1000-class model compiled on the meta device; the largest multiple of {STEP} whose "

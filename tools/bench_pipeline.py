@@ -297,7 +297,7 @@ def method(cfg: Config, max_foreign: float, rev: str) -> str:
         f"`train_step`), median over the timed steps, then median (range) over the launches "
         f"({cfg.bubble_rounds} per schedule and m in the sweep at {cfg.ranks[0]} ranks; at "
         f"m = {cfg.microbatches} the comparison's). The simulator column is "
-        f"`fxpar.compiler.simulate.simulate(program.schedule, links_of(program.graph)).bubble` "
+        f"`fxpar.perf.simulate.simulate(program.schedule, links_of(program.graph)).bubble` "
         f"with unit costs.")
 
 

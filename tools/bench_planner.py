@@ -106,9 +106,9 @@ def worker(a: argparse.Namespace) -> None:
 def search_times(worlds: list[int], quick: bool) -> list[list[str]]:
     """plan_auto's seconds (analysis, search, compiling the choice) on the H100 profile."""
     import fxpar
-    from fxpar.compiler.planner import describe
     from fxpar.core.plan import PlanError
     from fxpar.models.zoo import build_model
+    from fxpar.planner.planner import describe
 
     rows = []
     models = list(SEARCH.items())[:1] if quick else list(SEARCH.items())
@@ -134,8 +134,8 @@ def search_times(worlds: list[int], quick: bool) -> list[list[str]]:
 
 def run(opts: argparse.Namespace) -> dict[str, Any]:
     import fxpar
-    from fxpar.compiler.planner import describe
-    from fxpar.compiler.profile import Profile
+    from fxpar.perf.profile import Profile
+    from fxpar.planner.planner import describe
 
     q = bool(getattr(opts, "quick", False))
     models = [m.strip() for m in opts.planner_models.split(",") if m.strip()]

@@ -128,10 +128,10 @@ def write_image(path: Path, size: int, seed: int = SEED) -> int:
 
 # -- workers (one process each; the driver never imports MPI) -----------------------------------
 def _load(path: Path) -> torch.Tensor:
-    """The whole image as fxpar-predict scales it (fxpar.io.images.to_tensor), (1, C, H, W)."""
+    """The whole image as fxpar-predict scales it (fxpar.data.images.to_tensor), (1, C, H, W)."""
     import tifffile
 
-    from fxpar.io.images import to_tensor
+    from fxpar.data.images import to_tensor
 
     a = tifffile.imread(path)
     return to_tensor(np.moveaxis(a, -1, 0), torch.float32)[None]

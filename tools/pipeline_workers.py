@@ -163,7 +163,7 @@ def run_fxpar(system: System, args: argparse.Namespace) -> dict[str, Any]:
 
     import fxpar
     from fxpar.compiler.driver import links_of
-    from fxpar.compiler.simulate import simulate
+    from fxpar.perf.simulate import simulate
 
     comm = MPI.COMM_WORLD
     model, x, y = _setup(args.threads)

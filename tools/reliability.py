@@ -31,7 +31,7 @@ from tempfile import TemporaryDirectory
 
 import torch
 
-from fxpar.io.checkpoint import export
+from fxpar.program.checkpoint import export
 from fxpar.testing import mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -250,7 +250,7 @@ def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]
 
 def shard_digests(folder: Path) -> list[str]:
     """The sha256 of every shard of the version ``folder`` names, from its manifest."""
-    from fxpar.io.checkpoint import read_manifest
+    from fxpar.program.checkpoint import read_manifest
 
     return [str(r.get("sha256")) for r in read_manifest(folder)["ranks"]]
 

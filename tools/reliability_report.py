@@ -126,7 +126,7 @@ def findings(data: dict[str, Any]) -> str:
         "**" + ", ".join(hung) + " did not end by itself** (killed by the harness).")]
     out.append(f"- **Resume after a kill:** {len(same)} of {len(resumed)} layouts end "
                f"bit-identical to the uninterrupted run (every tensor of "
-               f"`fxpar.io.checkpoint.export`, compared byte for byte, every round).")
+               f"`fxpar.program.checkpoint.export`, compared byte for byte, every round).")
     corrupt = [row for row in data["rows"].values() if row["fault"].startswith("corrupt")]
     refused = [row for row in corrupt if all(
         r["rc"] == 2 and r["key_count"] == 1 and r["measures"].get("resumed_at") is not None

@@ -4,7 +4,7 @@ family, next to Hy-Fi's published ratios. Rewrites the generated block of ``docs
 and its plots.
 
 For every world size w (powers of two up to 2,048) the planner's enumeration
-(``fxpar.compiler.planner.candidates``) is costed in closed form with the memory limit
+(``fxpar.planner.planner.candidates``) is costed in closed form with the memory limit
 (80 GiB per GPU; a plan over it is tried again with every stage recomputed), each family's
 fastest few are simulated, and a family's figure at G GPUs is its best plan on at most G of
 them (a family that cannot use more GPUs keeps its best). Families:
@@ -29,11 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fxpar.compiler.planner import EXACT, _cost, candidates, describe  # noqa: E402
-from fxpar.compiler.planspace import Estimate, ModelTable, analyse, evaluate  # noqa: E402
-from fxpar.compiler.profile import Profile  # noqa: E402
 from fxpar.core.plan import Plan  # noqa: E402
 from fxpar.models.zoo import build_model  # noqa: E402
+from fxpar.perf.profile import Profile  # noqa: E402
+from fxpar.planner.planner import EXACT, _cost, candidates, describe  # noqa: E402
+from fxpar.planner.planspace import Estimate, ModelTable, analyse, evaluate  # noqa: E402
 
 MODELS = {"ResNet-101": ("torchvision:resnet101", {"num_classes": 1000}),
           "AmoebaNet-D (18, 416)": ("models:amoebanet", {"num_classes": 1000, "num_layers": 18,

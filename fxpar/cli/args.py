@@ -8,7 +8,7 @@ import sys
 
 from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
-from fxpar.io.data import DataError, parse_size
+from fxpar.data.data import DataError, parse_size
 
 
 def image_size_arg(text: str) -> int | tuple[int, ...]:

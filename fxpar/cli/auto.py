@@ -10,8 +10,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from fxpar.compiler.planner import DEFAULT_PROFILE, AutoPlan, plan_auto
 from fxpar.core.plan import Plan
+from fxpar.planner.planner import DEFAULT_PROFILE, AutoPlan, plan_auto
 
 LAYOUT_FLAGS = {"stages": "--stages", "balance": "--balance", "microbatches": "--microbatches",
                 "schedule": "--schedule", "stages_per_rank": "--stages-per-rank",

@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from fxpar.compiler.profile import Profile, ProfileError
+from fxpar.perf.profile import Profile, ProfileError
 
 
 def _summary(p: Profile) -> str:
@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_summary(p))
         return 0
     from fxpar.comm.world import world
-    from fxpar.compiler.calibrate import calibrate
+    from fxpar.planner.calibrate import calibrate
 
     comm = world()
     profile = calibrate(comm if comm.size > 1 else None, a.name, a.quick, a.ranks_per_node)

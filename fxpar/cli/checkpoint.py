@@ -1,4 +1,4 @@
-"""``fxpar-checkpoint``: inspect or convert a sharded checkpoint (fxpar.io.checkpoint).
+"""``fxpar-checkpoint``: inspect or convert a sharded checkpoint (fxpar.program.checkpoint).
 
     fxpar-checkpoint info ckpt/              # step, versions kept, plan, which rank holds what
     fxpar-checkpoint export ckpt/ model.pt   # the single-device state_dict
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fxpar.io.checkpoint import (
+from fxpar.program.checkpoint import (
     LATEST,
     CheckpointError,
     ShardCheck,
@@ -24,7 +24,7 @@ from fxpar.io.checkpoint import (
     damaged,
     export,
 )
-from fxpar.io.checkpoint_folder import complete, read_latest, some_keys, version_folders
+from fxpar.program.checkpoint_folder import complete, read_latest, some_keys, version_folders
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,16 +26,10 @@ from torch import fx, nn
 
 from fxpar.cli.args import bytes_arg, grid_arg, image_size_arg
 from fxpar.cli.auto import AutoUsageError, add_args, check_no_layout
-from fxpar.compiler import draw
-from fxpar.compiler.costmodel import timing
 from fxpar.compiler.driver import PASSES, links_of
 from fxpar.compiler.driver import compile as fx_compile
-from fxpar.compiler.memory import memory_table
 from fxpar.compiler.passdriver import HALO, TRACE, dump
-from fxpar.compiler.planner import DEFAULT_PROFILE, plan_auto
-from fxpar.compiler.profile import Profile, ProfileError
 from fxpar.compiler.report import halo_table, node_table, rank_table, stage_table, totals_line
-from fxpar.compiler.simulate import simulate, stage_costs
 from fxpar.core.plan import (
     HALO_FUSION,
     PRECISION_DTYPES,
@@ -48,9 +42,15 @@ from fxpar.core.plan import (
 from fxpar.core.schedule import SCHEDULES as SCHEDULE_RULES
 from fxpar.core.schedule import format_grid, split_keys
 from fxpar.frontend.trace import TraceError, trace
-from fxpar.io.metrics import load_metrics
-from fxpar.io.program import Program
 from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
+from fxpar.perf.costmodel import timing
+from fxpar.perf.memory import memory_table
+from fxpar.perf.profile import Profile, ProfileError
+from fxpar.perf.simulate import simulate, stage_costs
+from fxpar.planner.planner import DEFAULT_PROFILE, plan_auto
+from fxpar.program.program import Program
+from fxpar.report import draw
+from fxpar.train.metrics import load_metrics
 
 
 def parser() -> argparse.ArgumentParser:
@@ -183,7 +183,7 @@ def _print_views(args: argparse.Namespace, program: Program, dumps: dict[str, st
         print(f"after pass {args.after!r}:")
         print(dumps[args.after])
     if args.rank is not None and args.after is None:
-        from fxpar.io.emit import rank_sources
+        from fxpar.program.emit import rank_sources
 
         for name, text in rank_sources(program, args.rank).items():
             print(f"# ---- rank {args.rank}: {name} ----")

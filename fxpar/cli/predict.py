@@ -4,7 +4,7 @@
         --num-classes 2 --spatial-parts 4 --region 2048 --output argmax
     fxpar-predict smp.py:make scene.tif probs.zarr --checkpoint ckpt/ --level 1 --output softmax
 
-The image is any format fxpar.io.images reads (pyramidal TIFF, SVS, NDPI, OME-TIFF, GeoTIFF,
+The image is any format fxpar.data.images reads (pyramidal TIFF, SVS, NDPI, OME-TIFF, GeoTIFF,
 Zarr, .npy, PNG), at pyramid ``--level``; each rank reads only its tile of each crop plus the
 halo. The output (a ``.zarr`` array, or a tiled ``.tif``; GeoTIFF tags are carried over) is
 written region by region; run the same command again after an interruption and it continues
@@ -32,10 +32,10 @@ from fxpar.compiler.driver import predict
 from fxpar.compiler.predict import OUTPUTS
 from fxpar.compiler.receptive import ReachError
 from fxpar.core.plan import SLICES, Plan, PlanError
+from fxpar.data.errors import DataError
 from fxpar.frontend.trace import TraceError
-from fxpar.io.checkpoint import CheckpointError
-from fxpar.io.errors import DataError
 from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
+from fxpar.program.checkpoint import CheckpointError
 
 USER_ERRORS = (PlanError, ModelSpecError, TraceError, DataError, CheckpointError, ReachError,
                ValueError, TypeError)
@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _weights(a: argparse.Namespace) -> dict[str, torch.Tensor] | None:
     if a.checkpoint is not None:
-        from fxpar.io.checkpoint import export
+        from fxpar.program.checkpoint import export
 
         return export(a.checkpoint)
     if a.weights is None:
@@ -113,7 +113,7 @@ def _digest(state: dict[str, torch.Tensor] | None) -> str:
 
 
 def _open(a: argparse.Namespace) -> Any:
-    from fxpar.io.images import open_image
+    from fxpar.data.images import open_image
 
     return open_image(a.image, a.level)
 
@@ -208,7 +208,7 @@ def _geo(image: Any) -> dict[str, Any] | None:
         return geo
     from fractions import Fraction
 
-    from fxpar.io.images import geo_scaled
+    from fxpar.data.images import geo_scaled
 
     return geo_scaled(geo, tuple(Fraction(b, a) for a, b in zip(
         image.levels[0][-2:], image.size[-2:], strict=True)))

@@ -9,13 +9,13 @@
 MPI4DL's flag names are accepted as aliases (``--split-size`` for ``--stages``, ``--parts``
 for ``--microbatches``, ...). Data is synthetic (fixed seed) unless ``--data DIR`` names a
 folder of images or volumes (.npy, NIfTI, PNG / JPEG / TIFF); each spatial rank then reads only
-its tile (plus halo) of each image (fxpar.io.data). ``--image-size`` is N (a square image),
+its tile (plus halo) of each image (fxpar.data.data). ``--image-size`` is N (a square image),
 HxW, or DxHxW for 3-D volumes (batches N x C x D x H x W); ``--grid HxW`` / ``--grid DxHxW``
 gives the process grid explicitly (``Plan.grid``; the tile count is its product).
 Rank 0 prints a progress line per step and, at the end, a per-rank table (stage, tile, peak
 memory, compute vs communication time); ``--metrics FILE`` writes the same as JSON
-(fxpar.io.metrics). ``--val-data PATH --eval-every N`` validates in eval mode on a whole
-held-out set (fxpar.io.evaluate; the loop is fxpar.cli.train). Every user error (bad plan,
+(fxpar.train.metrics). ``--val-data PATH --eval-every N`` validates in eval mode on a whole
+held-out set (fxpar.train.evaluate; the loop is fxpar.cli.train). Every user error (bad plan,
 model, data) is reported before any rank talks to another, as ``fxpar-run: error: ...`` with
 exit code 2.
 """
@@ -58,9 +58,7 @@ from fxpar.core.plan import (
     Plan,
     PlanError,
 )
-from fxpar.frontend.trace import TraceError
-from fxpar.io.checkpoint import CheckpointError
-from fxpar.io.data import (
+from fxpar.data.data import (
     BatchSource,
     DataError,
     FolderBatches,
@@ -68,11 +66,13 @@ from fxpar.io.data import (
     Synthetic,
     spatial_size,
 )
-from fxpar.io.evaluate import check_output, open_validation, output_shape
-from fxpar.io.program import _LAUNCHER_VARS
-from fxpar.io.samples import describe, open_source
+from fxpar.data.samples import describe, open_source
+from fxpar.frontend.trace import TraceError
 from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
+from fxpar.program.checkpoint import CheckpointError
+from fxpar.program.program import _LAUNCHER_VARS
 from fxpar.runtime.guard import nonfinite_policy
+from fxpar.train.evaluate import check_output, open_validation, output_shape
 
 # (dest, flag, default) of the plan flags: defaults are applied after parsing, so a saved
 # program can tell which plan flags were given (they are an error there: its plan is fixed).
@@ -125,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=Path, default=None, metavar="DIR|CSV",
                    help="folder DIR/<class>/<file> of images (.npy, PNG, JPEG, TIFF, NIfTI) "
                    "or volumes (.npy, .nii, .nii.gz), all of --image-size, or a CSV of "
-                   "image,label or image,mask rows (fxpar.io.samples); default: synthetic "
+                   "image,label or image,mask rows (fxpar.data.samples); default: synthetic "
                    "data")
     p.add_argument("--level", type=int, default=0, metavar="L",
                    help="pyramid level of the --data / --val-data images (0: full resolution; "
@@ -134,13 +134,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=None, metavar="K",
                    help="progress line every K steps (default 1, or about 50 lines in all)")
     p.add_argument("--metrics", type=Path, default=None, metavar="OUT.json",
-                   help="write per-rank metrics (format: fxpar.io.metrics) on rank 0")
+                   help="write per-rank metrics (format: fxpar.train.metrics) on rank 0")
     p.add_argument("--save-program", type=Path, default=None, metavar="DIR",
-                   help="write the compiled per-rank programs to DIR (fxpar.io.emit); without "
-                   "mpiexec: write every rank's and exit; under mpiexec each rank writes its "
+                   help="write the compiled per-rank programs to DIR (fxpar.program.emit); "
+                   "without mpiexec: write every rank's and exit; under mpiexec each rank writes "
+                   "its "
                    "own, then trains (--steps 0: only write)")
     p.add_argument("--checkpoint", type=Path, default=None, metavar="DIR",
-                   help="save a sharded checkpoint to DIR at the end (fxpar.io.checkpoint)")
+                   help="save a sharded checkpoint to DIR at the end (fxpar.program.checkpoint)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help="with --checkpoint: also every K steps")
     p.add_argument("--watchdog", default=None, metavar="auto|auto:FLOOR|SECONDS",
@@ -260,7 +261,7 @@ def _source(a: argparse.Namespace, shape: tuple[int, ...],
                             "use --steps")
         a.steps = 10 if a.steps is None else a.steps
         return Synthetic(shape, a.num_classes, dtype, a.seed)
-    # a CSV (labels or masks), or a folder at another pyramid level: fxpar.io.samples; a
+    # a CSV (labels or masks), or a folder at another pyramid level: fxpar.data.samples; a
     # plain folder: the image folder reader (NIfTI volumes, PIL images as before)
     samples = a.data.suffix.lower() == ".csv" or a.level != 0
     if samples:
@@ -332,7 +333,7 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
         raise SavedOnly(program.save(a.save_program), program.world_size)
     rp = program.local(comm)
     if a.save_program is not None:  # each rank writes its own folder, rank 0 the manifest
-        from fxpar.io.emit import save
+        from fxpar.program.emit import save
 
         save(program, a.save_program, ranks=[rp.rank], manifest=rp.rank == 0)
     return Job(rp, source, rp.input_window(), shape, dtype, took)
@@ -354,8 +355,8 @@ def _auto(a: argparse.Namespace, model: torch.nn.Module, shape: tuple[int, ...],
 
 def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:
     """A program folder written by ``program.save``: its plan, model and batch size."""
-    from fxpar.io.layout import read_program
-    from fxpar.io.loader import load
+    from fxpar.program.layout import read_program
+    from fxpar.program.loader import load
 
     given = [flag for dest, flag, _ in PLAN_FLAGS if getattr(a, dest) is not None]
     given += [flag for dest, flag in MODEL_FLAGS if getattr(a, dest) is not None]
@@ -421,7 +422,7 @@ def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
         raise ValueError("--checkpoint-every K needs --checkpoint DIR and K >= 1")
     check_eval_args(a)
     if a.resume is not None:
-        from fxpar.io.checkpoint import read_manifest
+        from fxpar.program.checkpoint import read_manifest
 
         read_manifest(a.resume)  # a missing or foreign folder fails here, on every rank
     from fxpar.comm.device import bind

@@ -6,7 +6,7 @@ Kept apart from fxpar.cli.run (flags, plan, model and data set-up) so each stays
 Validation (``--val-data``) runs after step n when n is a multiple of ``--eval-every`` and after
 the last step; with ``--checkpoint DIR`` an eval that improves ``--best-metric`` saves the
 training state to ``DIR/best`` (a checkpoint folder of its own, keeping one version;
-``fxpar-run --resume DIR/best`` and ``fxpar.io.checkpoint.export(DIR/best)`` read it), before
+``fxpar-run --resume DIR/best`` and ``fxpar.program.checkpoint.export(DIR/best)`` read it), before
 the step's regular checkpoint.
 """
 
@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from fxpar.core.geometry import Rect
-from fxpar.io.data import Batch, BatchSource, DataError
-from fxpar.io.evaluate import BEST, SEGMENT_ONLY, Validation
-from fxpar.io.metrics import Recorder
-from fxpar.io.program import RankProgram
-from fxpar.io.samples import SampleBatches
+from fxpar.data.data import Batch, BatchSource, DataError
+from fxpar.data.samples import SampleBatches
+from fxpar.program.program import RankProgram
+from fxpar.train.evaluate import BEST, SEGMENT_ONLY, Validation
+from fxpar.train.metrics import Recorder
 from fxpar.train.trainer import TrainConfig, Trainer
 
 
@@ -49,7 +49,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("validation")
     g.add_argument("--val-data", type=Path, default=None, metavar="PATH",
                    help="validation set: a class folder as --data takes, or a CSV of images "
-                   "with labels or masks (fxpar.io.samples); used whole, in eval mode")
+                   "with labels or masks (fxpar.data.samples); used whole, in eval mode")
     g.add_argument("--eval-every", type=int, default=None, metavar="N",
                    help="with --val-data: validate every N steps (default: after the last "
                    "step only)")

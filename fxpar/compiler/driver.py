@@ -16,10 +16,8 @@ from torch import fx, nn
 
 from fxpar.compiler.loss import LossFactory
 from fxpar.compiler.lower import check, lower
-from fxpar.compiler.memory import choose_recompute
 from fxpar.compiler.passdriver import HALO, run_passes
 from fxpar.compiler.predict import Prediction, predict_regions
-from fxpar.compiler.simulate import interleave
 from fxpar.compiler.stages import build_stages
 from fxpar.compiler.windows import rank_windows
 from fxpar.core import meta
@@ -34,7 +32,6 @@ from fxpar.core.stages import links_of as links_of  # re-exported: inspect, draw
 from fxpar.frontend.capture import where
 from fxpar.frontend.rules.perpixel import mixes_samples
 from fxpar.frontend.trace import check_model, trace
-from fxpar.io.program import OptimizerFactory, Program, SpatialInfo
 from fxpar.passes.halo import tile_stage
 from fxpar.passes.precision import precision
 from fxpar.passes.spatial_region import (
@@ -45,6 +42,9 @@ from fxpar.passes.spatial_region import (
     spatial_region,
 )
 from fxpar.passes.split_stages import model_output, split_stages
+from fxpar.perf.memory import choose_recompute
+from fxpar.perf.simulate import interleave
+from fxpar.program.program import OptimizerFactory, Program, SpatialInfo
 from fxpar.runtime.loop import LossFn
 from fxpar.runtime.materialize import InitFn, meta_model_of
 from fxpar.runtime.recompute import recomputed_stages
@@ -301,7 +301,7 @@ def loss_factory(gm: fx.GraphModule, plan: Plan, loss_fn: LossFn, spatial: Spati
 def predict(model: nn.Module, plan: Plan, image: Any, out: str | Path | None = None,
             loss_fn: Callable[..., torch.Tensor] = F.cross_entropy, **kwargs: Any) -> Prediction:
     """``fxpar.predict``: run ``model`` over the whole ``image`` (C, H, W) or (C, D, H, W), an
-    array or a reader of fxpar.io.images, region by region, each region compiled for ``plan``
+    array or a reader of fxpar.data.images, region by region, each region compiled for ``plan``
     and spread over its ranks; the output equals the model on the whole image (see
     fxpar.compiler.predict, where the keyword arguments are: region, batch, output, dtype,
     comm, overwrite, progress, ...). ``RankProgram.predict`` does the same with a trained

@@ -24,8 +24,8 @@ from fxpar.core.geometry import Grid
 from fxpar.core.plan import PlanError
 from fxpar.frontend.loss import CALLS_KEY, LossCaptureError, TensorSpec, capture_loss
 from fxpar.frontend.rules.dims import NoRule, propagate
-from fxpar.io.tileloss import joined_loss
 from fxpar.passes.tile_loss import tile_loss
+from fxpar.program.tileloss import joined_loss
 from fxpar.runtime.loop import LossTiles
 from fxpar.runtime.spatial.lossops import image_layout
 from fxpar.runtime.spatial.ops import group_key

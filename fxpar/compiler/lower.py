@@ -27,13 +27,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fxpar.compiler.simulate import ScheduleError
 from fxpar.core.geometry import Grid
 from fxpar.core.messages import messages
 from fxpar.core.plan import RankMap
 from fxpar.core.roles import chunks_per_copy, stage_groups
 from fxpar.core.schedule import Action, Schedule, format_grid
 from fxpar.core.stages import StageGraph
+from fxpar.perf.simulate import ScheduleError
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,11 @@ parallel (``fxpar.predict``, ``fxpar-predict``).
 The recipe::
 
     whole graph (meta, the image's size) --reach--> step, scale, margins    (receptive.py)
-        --regions--> regions, crops, crop shapes                           (fxpar.io.regions)
+        --regions--> regions, crops, crop shapes                           (fxpar.data.regions)
         --compile--> one program per crop shape, in eval mode
         --loop--> per batch of regions: each rank reads its window of each crop (plus halo)
                   from the image, forward, the output rank keeps each region's middle and
-                  writes it (fxpar.io.writers), progress on stderr
+                  writes it (fxpar.data.writers), progress on stderr
 
 Every rank reads only its tile of each crop plus the halo its first convolutions need
 (``RankProgram.input_window``), never the whole image; the crops overlap by the model's
@@ -48,18 +48,18 @@ from fxpar.compiler.receptive import (
 )
 from fxpar.core.geometry import Rect
 from fxpar.core.plan import Plan
+from fxpar.data.errors import DataError
+from fxpar.data.images import to_tensor
+from fxpar.data.regions import Region, RegionGrid, batches, region_grid
+from fxpar.data.writers import PredictionStore
 from fxpar.frontend.trace import trace
-from fxpar.io.errors import DataError
-from fxpar.io.images import to_tensor
-from fxpar.io.program import Program
-from fxpar.io.regions import Region, RegionGrid, batches, region_grid
-from fxpar.io.writers import PredictionStore
+from fxpar.program.program import Program
 
 OUTPUTS = ("argmax", "softmax", "sigmoid", "logits")
 
 
 class Image(Protocol):
-    """What predict reads: (C, *spatial) and any window of it (fxpar.io.images readers)."""
+    """What predict reads: (C, *spatial) and any window of it (fxpar.data.images readers)."""
 
     shape: tuple[int, ...]
 
@@ -178,7 +178,7 @@ def predict_regions(model: nn.Module, plan: Plan, image: Image | np.ndarray | to
     region by region, each region on all ranks of ``plan``; collective over ``comm`` (default:
     the MPI world when the plan has several ranks).
 
-    out: a ``.zarr`` or ``.tif`` path written region by region (resumable, fxpar.io.writers),
+    out: a ``.zarr`` or ``.tif`` path written region by region (resumable, fxpar.data.writers),
     or None to return the whole output as an array (small images, tests). region: input cells
     per region and dim (rounded up to the model's step). output: argmax | softmax | sigmoid |
     logits. settings: extra values a resumed run must match (the CLI passes the model and

@@ -20,7 +20,7 @@ from fxpar.runtime.modules import BatchNormOp, DropoutOp
 from fxpar.runtime.spatial.ops import Halo, HaloOp
 
 if TYPE_CHECKING:
-    from fxpar.io.program import Program
+    from fxpar.program.program import Program
 
 
 def op_name(gm: fx.GraphModule, n: fx.Node) -> str:

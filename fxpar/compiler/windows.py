@@ -4,9 +4,9 @@ A spatial stage's tile reads its tile of the image plus the halo of the first wi
 (fxpar.passes.halo.input_windows, for all tiles at once, without building the tile modules);
 a non-spatial stage that takes the model input reads all of it; a later stage none. A rank's
 window is the bounding box over its roles (a GEMS rank holds one of each copy). The Program
-records it per rank (``Program.input_windows``, written to program.json by fxpar.io.emit), so
+records it per rank (``Program.input_windows``, written to program.json by fxpar.program.emit), so
 a data loader asks ``RankProgram.input_window()`` and reads only that part of each image
-(fxpar.io.data).
+(fxpar.data.data).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ corrupt-checkpoint  the checkpoint saved at STEP gets this rank's shard damaged 
 ==================  =============================================================================
 
 The runtime reads the variable when a rank program is made (``RankProgram.train_step`` honours
-it), the checkpoint code at each ``fxpar.io.checkpoint.save``; nothing else does.
+it), the checkpoint code at each ``fxpar.program.checkpoint.save``; nothing else does.
 """
 
 from __future__ import annotations

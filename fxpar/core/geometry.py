@@ -40,7 +40,7 @@ class Rect:
     dims: tuple[Interval, ...]
 
     def __init__(self, *dims: Interval, **kw: tuple[Interval, ...]) -> None:
-        if "dims" in kw:  # the keyword form (how fxpar.io.emit writes a Rect)
+        if "dims" in kw:  # the keyword form (how fxpar.program.emit writes a Rect)
             dims = tuple(kw.pop("dims"))
         if kw or not dims:
             raise TypeError(f"Rect takes one interval per dim, got {dims!r} {kw!r}")

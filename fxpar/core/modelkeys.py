@@ -14,8 +14,8 @@ that ``full_state_dict()`` has exactly the keys of ``model.state_dict()``:
 
 :class:`ModelKeys` records both as data (the compiler gets the aliases from the model at
 capture time; a saved program keeps them in program.json), and :func:`attach` puts them on a
-stage module under their names (fxpar.io.program: aliases wherever their tensor is held, unused
-tensors on the last stage).
+stage module under their names (fxpar.program.program: aliases wherever their tensor is
+held, unused tensors on the last stage).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def put(root: nn.Module, path: str, value: nn.Module | torch.Tensor, *,
         persistent: bool = True) -> None:
     """Attach ``value`` at dotted ``path`` under ``root``, creating empty parent modules: a
     module, a parameter, or (a plain tensor) a buffer. Generated stage modules call this
-    (through fxpar.io.emit)."""
+    (through fxpar.program.emit)."""
     *parents, leaf = path.split(".")
     owner = root
     for name in parents:

@@ -35,7 +35,7 @@ from fxpar.runtime.spatial.group import TileOp
 def recomputed_stages(mode: str, stages: int) -> frozenset[int]:
     """The stages ``Plan.recompute`` recomputes: every one ("always"), all but the last
     ("except_last": its outputs are the loss, recomputing it saves little), or none ("never";
-    "auto" is chosen at compile time, fxpar.compiler.memory.choose_recompute)."""
+    "auto" is chosen at compile time, fxpar.perf.memory.choose_recompute)."""
     if mode == "always":
         return frozenset(range(stages))
     if mode == "except_last":

@@ -9,7 +9,7 @@ the closing metrics. ``fxpar-run`` parses its flags into a :class:`TrainConfig` 
                       val=val).fit()
 
 ``batches(step) -> (x, y)`` gives the global batch of a step (a rank may pass only its
-``rp.input_window()`` of x). Validation (``val``, a ``fxpar.io.evaluate.Validation``, e.g.
+``rp.input_window()`` of x). Validation (``val``, a ``fxpar.train.evaluate.Validation``, e.g.
 ``open_validation(folder, shape, dtype, classes)``) runs after step n when n is a multiple of
 ``eval_every`` and after the last step; with ``checkpoint`` set, an eval that improves
 ``best_metric`` saves the training state to ``checkpoint/best`` before the step's regular
@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from fxpar.core.geometry import Rect
-from fxpar.io.checkpoint import CheckpointError, load, save
-from fxpar.io.data import Batch
-from fxpar.io.evaluate import BEST, Validation, better, evaluate, line
-from fxpar.io.metrics import Recorder, gather, table, write_metrics
-from fxpar.io.program import RankProgram
+from fxpar.data.data import Batch
+from fxpar.program.checkpoint import CheckpointError, load, save
+from fxpar.program.program import RankProgram
 from fxpar.runtime.guard import nonfinite_policy
+from fxpar.train.evaluate import BEST, Validation, better, evaluate, line
+from fxpar.train.metrics import Recorder, gather, table, write_metrics
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class TrainConfig:
     eval_every: int | None = None
     """Validate every this many steps (None: after the last step only); needs ``val``."""
     best_metric: str = "loss"
-    """The validation metric ``checkpoint/best`` keeps the best model by (fxpar.io.evaluate)."""
+    """The validation metric ``checkpoint/best`` keeps the best model by (fxpar.train.evaluate)."""
     checkpoint: Path | None = None
     """Save the training state here after the last step (and every ``checkpoint_every``)."""
     checkpoint_every: int | None = None

@@ -32,22 +32,22 @@ from fxpar.comm import device as fxdevice
 from fxpar.comm import failfast
 from fxpar.comm import world as fxcomm
 from fxpar.comm.device import DeviceError
-from fxpar.compiler.draw import DotMissing, ExtraMissing
 from fxpar.compiler.passdriver import PassError
-from fxpar.compiler.profile import Profile, ProfileError
 from fxpar.compiler.receptive import ReachError, reach_model
 from fxpar.core.faults import FaultSpecError
-from fxpar.io import checkpoint as ckpt
-from fxpar.io import images as fxpar_images
-from fxpar.io.checkpoint import CheckpointError
-from fxpar.io.data import DataError, FolderBatches, ImageFolder
-from fxpar.io.metrics import MetricsError
+from fxpar.data import images as fxpar_images
+from fxpar.data.data import DataError, FolderBatches, ImageFolder
 from fxpar.models import zoo
 from fxpar.models.zoo import ModelSpecError
+from fxpar.perf.profile import Profile, ProfileError
+from fxpar.program import checkpoint as ckpt
+from fxpar.program.checkpoint import CheckpointError
+from fxpar.report.draw import DotMissing, ExtraMissing
 from fxpar.runtime.guard import NonFiniteError, ProgramFailed
 from fxpar.runtime.loop import ActionFailed
 from fxpar.runtime.materialize import MaterializeError
 from fxpar.testing import load_case
+from fxpar.train.metrics import MetricsError
 from helpers.errors_triggers import (
     DataDependent,
     FakeComm,
@@ -97,7 +97,7 @@ def _running_sum_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _tile_loss_with(target: Any) -> None:
     from fxpar.core.geometry import Grid
-    from fxpar.io.tileloss import TileLoss
+    from fxpar.program.tileloss import TileLoss
 
     TileLoss(None, F.cross_entropy, Grid(2, 1), (8, 8), 0, None, lambda: torch.device("cpu"),
              False)(0, 0, torch.zeros(2, 3, 4, 8), target)  # type: ignore[arg-type]
@@ -454,7 +454,8 @@ CATALOGUE: list[Entry] = [
     # checkpoints
     Entry("checkpoint-missing", "checkpoint", "resuming from a folder that holds no complete "
           "checkpoint", CheckpointError, r"not a \(complete\) fxpar checkpoint",
-          "Resume from a folder that fxpar.io.checkpoint.save (fxpar-run --checkpoint) finished.",
+          "Resume from a folder that fxpar.program.checkpoint.save (fxpar-run --checkpoint) "
+          "finished.",
           lambda: ckpt.read_manifest("ckpt")),
     Entry("checkpoint-pointer", "checkpoint", "the folder's 'latest' file is damaged",
           CheckpointError, r"is not an fxpar checkpoint pointer",
@@ -474,11 +475,11 @@ CATALOGUE: list[Entry] = [
           "size", CheckpointError,
           r"was saved by another job: (it has \d+ ranks|its plan|it is of another model \(its)",
           "Resume with the same model and plan, or change plans through the single-device "
-          "form (fxpar.io.checkpoint.export, then rank_program.load_state_dict).",
+          "form (fxpar.program.checkpoint.export, then rank_program.load_state_dict).",
           lambda: ckpt.load(saved_checkpoint() and build(Plan(microbatches=2)).local(), "ckpt")),
     Entry("checkpoint-not-collective", "checkpoint", "saving a multi-rank program outside "
           "mpiexec", CheckpointError, r"save is collective",
-          "Call fxpar.io.checkpoint.save on every rank of program.local() under mpiexec.",
+          "Call fxpar.program.checkpoint.save on every rank of program.local() under mpiexec.",
           lambda: ckpt.save(build(Plan(stages=2)).for_rank(0), "ckpt", step=1)),
     Entry("checkpoint-extra", "checkpoint", "extra= holds something JSON cannot store",
           TypeError, r"checkpoint extra must hold JSON values",
@@ -489,8 +490,8 @@ CATALOGUE: list[Entry] = [
           "Put the checkpoint on a file system every rank reads.", shard_missing),
     Entry("checkpoint-torn", "checkpoint", "a version folder mixes files of two saves",
           CheckpointError, r"files of two saves are mixed",
-          "Load another version (save each step into its own version: fxpar.io.checkpoint.save "
-          "does so by itself).",
+          "Load another version (save each step into its own version: "
+          "fxpar.program.checkpoint.save does so by itself).",
           torn_checkpoint),
     Entry("checkpoint-other-shapes", "checkpoint", "resuming with a model of the same keys but "
           "other shapes (another width, another number of classes)", CheckpointError,

@@ -21,7 +21,7 @@ import fxpar
 from fxpar import Plan
 from fxpar.comm import failfast, watchdog
 from fxpar.compiler.passdriver import run_passes
-from fxpar.io import checkpoint as ckpt
+from fxpar.program import checkpoint as ckpt
 
 
 # -- small things the triggers use --------------------------------------------------------------
@@ -240,7 +240,7 @@ def moved_after_step() -> None:
 
 
 def no_dot() -> None:
-    from fxpar.compiler import draw
+    from fxpar.report import draw
 
     with mock.patch("shutil.which", return_value=None):
         draw.render_svg(None, "graph.svg")  # type: ignore[arg-type]
@@ -248,7 +248,7 @@ def no_dot() -> None:
 
 def no_graphviz_package() -> None:
     """--dot where the graphviz Python package (the viz extra) is not installed."""
-    from fxpar.compiler import draw
+    from fxpar.report import draw
 
     with mock.patch.dict("sys.modules", {"graphviz": None}):  # None: import raises
         draw.program_dot(build(Plan(stages=2)))

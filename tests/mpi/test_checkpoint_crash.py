@@ -22,7 +22,7 @@ from torch import nn
 
 import fxpar
 from fxpar.cli.checkpoint import main as checkpoint_cli
-from fxpar.io import checkpoint
+from fxpar.program import checkpoint
 from fxpar.testing import run_cases
 
 PLAN = fxpar.Plan(stages=2, microbatches=2)  # 2 ranks

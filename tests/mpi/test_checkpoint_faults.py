@@ -28,8 +28,8 @@ from helpers.launch import PATHS
 from test_checkpoint_crash import _batch, _program, _training_state
 
 from fxpar.cli.checkpoint import main as checkpoint_cli
-from fxpar.io import checkpoint
-from fxpar.io.checkpoint import CheckpointError
+from fxpar.program import checkpoint
+from fxpar.program.checkpoint import CheckpointError
 from fxpar.testing import run_cases
 
 DIR = "FXPAR_CHECKPOINT_FAULTS_DIR"
@@ -79,7 +79,7 @@ def damaged_then_resumed() -> None:
                               f"load it"), message
     assert f"rank 1: {bad} is damaged: its sha256 is " in message, message
     assert f"Versions still kept in {folder}: step-00000001; load one instead, e.g. " \
-           f"fxpar.io.checkpoint.load(rp, '{folder / 'step-00000001'}')" in message, message
+           f"fxpar.program.checkpoint.load(rp, '{folder / 'step-00000001'}')" in message, message
     message = _refusal(comm, rp, cut)
     size = checkpoint.read_manifest(cut)["ranks"][1]["size"]
     assert f"rank 1: {cut / 'rank00001.pt'} is damaged: it has {size // 2} bytes where " \

@@ -1,4 +1,4 @@
-"""Validation (fxpar.io.evaluate, fxpar-run --val-data): the metric sums against a direct
+"""Validation (fxpar.train.evaluate, fxpar-run --val-data): the metric sums against a direct
 one-process computation in float64, the padding of the last batch, which rank scores which
 rows, the flags' errors; and, under one mpiexec launch of 4 ranks, compiled plans' eval passes
 and fxpar-run's against one process (tests/mpi/cases/eval_cases.py)."""
@@ -14,10 +14,10 @@ from helpers.launch import cases_in, check, launch
 
 import fxpar
 from fxpar.cli import run
-from fxpar.io import evaluate as ev
-from fxpar.io.evaluate import Validation, contributed_rows, summarize, sums
-from fxpar.io.metrics import MetricsError, load_metrics
 from fxpar.testing import load_case
+from fxpar.train import evaluate as ev
+from fxpar.train.evaluate import Validation, contributed_rows, summarize, sums
+from fxpar.train.metrics import MetricsError, load_metrics
 
 CASES_FILE = Path(__file__).parent / "cases" / "eval_cases.py"
 CASES, NAMES = cases_in("eval_cases.py")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxpar.io.checkpoint import export
+from fxpar.program.checkpoint import export
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 SUBSET = {  # one row per fault kind; SP+PP where a 3-rank launch says more, else 2 ranks

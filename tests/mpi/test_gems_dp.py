@@ -6,9 +6,9 @@ steps, BatchNorm running statistics."""
 import pytest
 from helpers.launch import cases_in, check, launch
 
-from fxpar.compiler.simulate import ScheduleError, interleave, simulate
 from fxpar.core.plan import Plan
 from fxpar.core.schedule import Action, pipeline
+from fxpar.perf.simulate import ScheduleError, interleave, simulate
 
 CASES, NAMES = cases_in("gems_dp_cases.py")
 

@@ -21,9 +21,9 @@ from fxpar.compiler.driver import predict
 from fxpar.compiler.predict import ArrayImage
 from fxpar.compiler.receptive import Reach, ReachError, reach, reach_model
 from fxpar.core.geometry import Rect
-from fxpar.io.errors import DataError
-from fxpar.io.regions import region_grid
-from fxpar.io.writers import PredictionStore
+from fxpar.data.errors import DataError
+from fxpar.data.regions import region_grid
+from fxpar.data.writers import PredictionStore
 from fxpar.testing import load_case
 
 CASES, _ = cases_in("predict_cases.py")

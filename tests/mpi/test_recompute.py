@@ -7,8 +7,8 @@ import pytest
 from helpers.launch import cases_in, check, launch
 
 import fxpar
-from fxpar.compiler.memory import estimate
 from fxpar.core.plan import PlanError
+from fxpar.perf.memory import estimate
 from fxpar.runtime.recompute import recomputed_stages
 
 CASES, NAMES = cases_in("recompute_cases.py")
@@ -66,8 +66,8 @@ def test_auto_recomputes_what_the_budget_needs_and_warns_when_nothing_fits(tmp_p
 
     import torch
 
-    from fxpar.compiler.memory import MemoryWarning, memory_table
-    from fxpar.io.loader import load
+    from fxpar.perf.memory import MemoryWarning, memory_table
+    from fxpar.program.loader import load
 
     x = torch.empty(8, 3, 64, 64, device="meta")
     model = _three_convs()

@@ -59,8 +59,8 @@ def test_formula(rep):
 def test_formula_is_the_simulators_unit_cost_bubble(rep, p, m, name, v):
     """Where the formulas hold (m >= p, m a multiple of p when interleaved), fxpar's simulator
     with unit costs gives them exactly: the table's two columns agree on an ideal machine."""
-    from fxpar.compiler.simulate import simulate
     from fxpar.core.schedule import chain, pipeline
+    from fxpar.perf.simulate import simulate
 
     n = p * v
     sim = simulate(pipeline(n, m, name, chain(n), per_rank=v), chain(n))

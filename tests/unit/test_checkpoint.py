@@ -20,8 +20,8 @@ from torch import nn
 
 import fxpar
 from fxpar.cli.checkpoint import main as checkpoint_cli
-from fxpar.io import checkpoint, integrity
-from fxpar.io.checkpoint import CheckpointError
+from fxpar.program import checkpoint, integrity
+from fxpar.program.checkpoint import CheckpointError
 from fxpar.runtime.materialize import MaterializeError, materialize, materialize_model, module_seed
 
 SHAPE = (4, 3, 8, 8)
@@ -294,7 +294,7 @@ def test_a_truncated_shard_is_refused_with_the_sizes_and_the_version_to_load(sav
     pattern = (rf"^{re.escape(str(shard))} is damaged: it has {size // 2} bytes where "
                rf"checkpoint.json recorded {size}: cut short .*Versions still kept in "
                rf"{re.escape(str(folder))}: step-00000001; load one instead, e\.g\. "
-               rf"fxpar\.io\.checkpoint\.load\(rp, '{re.escape(str(good))}'\)")
+               rf"fxpar\.program\.checkpoint\.load\(rp, '{re.escape(str(good))}'\)")
     with pytest.raises(CheckpointError, match=pattern):
         checkpoint.load(fresh, folder)
     assert_state(fresh, before)  # nothing was copied in

@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 import fxpar
-from fxpar.compiler.calibrate import communication, compute, fit
-from fxpar.compiler.costmodel import halo_seconds, node_times, stage_seconds, timing
 from fxpar.compiler.driver import links_of
-from fxpar.compiler.profile import Link, Profile, ProfileError
-from fxpar.compiler.simulate import Timing, simulate
 from fxpar.core.schedule import pipeline
 from fxpar.passes.spatial_region import image_grid
+from fxpar.perf.costmodel import halo_seconds, node_times, stage_seconds, timing
+from fxpar.perf.profile import Link, Profile, ProfileError
+from fxpar.perf.simulate import Timing, simulate
+from fxpar.planner.calibrate import communication, compute, fit
 
 
 def _profile(**kw) -> Profile:

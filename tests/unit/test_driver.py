@@ -18,7 +18,7 @@ import fxpar
 from fxpar.cli import run
 from fxpar.core.geometry import Rect
 from fxpar.core.schedule import Action
-from fxpar.io.data import (
+from fxpar.data.data import (
     DataError,
     FolderBatches,
     ImageFolder,
@@ -26,9 +26,9 @@ from fxpar.io.data import (
     epoch_order,
     whole_batch,
 )
-from fxpar.io.metrics import MetricsError, Recorder, gather, load_metrics, split_times, table
 from fxpar.runtime.loop import ActionTime
 from fxpar.testing import load_case
+from fxpar.train.metrics import MetricsError, Recorder, gather, load_metrics, split_times, table
 
 CASES = Path(__file__).parents[1] / "mpi" / "cases" / "driver_cases.py"
 write_folder = load_case(f"{CASES}::write_folder")
@@ -241,7 +241,7 @@ def test_target_window_is_the_output_tile_whole_or_not_needed():
 
 
 def test_input_window_of_a_program_loaded_from_disk(tmp_path):
-    from fxpar.io.loader import load
+    from fxpar.program.loader import load
 
     plan = fxpar.Plan(stages=2, spatial_parts=2, slice="horizontal")
     fxpar.compile(tiny_net(), plan, torch.empty((2, 3, 20, 20), device="meta")).save(tmp_path)

@@ -13,8 +13,8 @@ import torchvision.models as tvm
 
 import fxpar
 from fxpar.core.schedule import Action
-from fxpar.io.emit import rank_sources, save
-from fxpar.io.loader import load
+from fxpar.program.emit import rank_sources, save
+from fxpar.program.loader import load
 
 SHAPE = (4, 3, 32, 32)
 

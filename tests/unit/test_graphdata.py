@@ -13,8 +13,8 @@ import torchvision.models as tvm
 
 import fxpar
 from fxpar.core.plan import PlanError
-from fxpar.io.graphdata import build, decode, encode, graph_data
-from fxpar.io.loader import load
+from fxpar.program.graphdata import build, decode, encode, graph_data
+from fxpar.program.loader import load
 
 PROGRAMS = {
     "resnet18 SP2x2 on 2 spatial stages + PP, halo fusion": (
@@ -30,6 +30,11 @@ PROGRAMS = {
     "smp Unet SP4 channels_last (odd size)": (
         lambda: smp.Unet("resnet18", encoder_weights=None, classes=3), (1, 3, 64, 96),
         fxpar.Plan(spatial_parts=4, channels_last=True)),
+    "MONAI UNet SP2 (transposed convolutions on tiles)": (
+        lambda: __import__("monai.networks.nets", fromlist=["UNet"]).UNet(
+            spatial_dims=2, in_channels=3, out_channels=3, channels=(8, 16, 32),
+            strides=(2, 2), num_res_units=1), (2, 3, 32, 32),
+        fxpar.Plan(spatial_parts=2, slice="horizontal")),
     "torchvision densenet PP3 + DP2": (
         lambda: tvm.DenseNet(32, (2, 2, 2, 2), 64, num_classes=5), (8, 3, 32, 32),
         fxpar.Plan(stages=3, microbatches=2, data_parallel=2)),

@@ -17,13 +17,14 @@ from torch import nn
 
 import fxpar
 from fxpar.cli.inspect import PASS_NAMES, main
-from fxpar.compiler import draw, memory
 from fxpar.compiler.report import node_table
-from fxpar.compiler.simulate import simulate, stage_costs
 from fxpar.core.schedule import Action, pipeline
 from fxpar.core.units import nbytes
-from fxpar.io.emit import rank_sources
 from fxpar.passes.split_stages import StageAssignment
+from fxpar.perf import memory
+from fxpar.perf.simulate import simulate, stage_costs
+from fxpar.program.emit import rank_sources
+from fxpar.report import draw
 
 # A tiny CNN whose sizes are easy to compute by hand: 3x8x8 images, batch 4, 2 micro-batches.
 NET = '''

@@ -14,12 +14,12 @@ from torch import nn
 import fxpar
 from fxpar.compiler.driver import links_of, rank_schedules
 from fxpar.compiler.lower import Op, check, lower
-from fxpar.compiler.simulate import ScheduleError
 from fxpar.core.geometry import Grid
 from fxpar.core.messages import MPI_TAG_UB_MIN, check_tags, max_p2p_tag, p2p_tag, tag_uses
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.schedule import Action, Schedule
 from fxpar.core.stages import StageGraph, Transfer
+from fxpar.perf.simulate import ScheduleError
 from fxpar.runtime.sync import Member, StageSync
 
 

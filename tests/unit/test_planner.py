@@ -1,4 +1,4 @@
-"""The planner (fxpar.plan_auto, fxpar.compiler.planspace): its fast estimate against the full
+"""The planner (fxpar.plan_auto, fxpar.planner.planspace): its fast estimate against the full
 cost model on compiled programs, its stage cuts against every cut over the same positions, its
 enumeration against a brute-force count, memory pruning, and the CLI views. No MPI: the MPI case
 (fxpar-run --plan auto trains like one process) is in tests/mpi/cases/driver_cases.py."""
@@ -14,13 +14,13 @@ import torch
 
 import fxpar
 from fxpar.cli.inspect import main as inspect_main
-from fxpar.compiler.costmodel import predict
-from fxpar.compiler.memory import estimate
-from fxpar.compiler.planner import candidates, describe, layouts, plan_auto
-from fxpar.compiler.planspace import TOLERANCE, analyse, cut_positions, evaluate, stage_cuts
-from fxpar.compiler.profile import Profile
 from fxpar.core.plan import Plan, PlanError
 from fxpar.models.zoo import build_model
+from fxpar.perf.costmodel import predict
+from fxpar.perf.memory import estimate
+from fxpar.perf.profile import Profile
+from fxpar.planner.planner import candidates, describe, layouts, plan_auto
+from fxpar.planner.planspace import TOLERANCE, analyse, cut_positions, evaluate, stage_cuts
 
 SHAPE = (8, 3, 64, 64)
 

@@ -1,4 +1,4 @@
-"""fxpar.io.images: every format's windows equal numpy's slicing of the ground truth, at every
+"""fxpar.data.images: every format's windows equal numpy's slicing of the ground truth, at every
 level, and a reader reads only the tiles its window touches (bytes measured at the file handle,
 bounded by the tiles' stored sizes from tifffile's offsets tables).
 
@@ -20,8 +20,8 @@ import torch
 from PIL import Image
 
 from fxpar.core.geometry import Rect
-from fxpar.io.errors import DataError
-from fxpar.io.images import TiffReader, geo_extratags, open_image, to_tensor
+from fxpar.data.errors import DataError
+from fxpar.data.images import TiffReader, geo_extratags, open_image, to_tensor
 
 tifffile = pytest.importorskip("tifffile")
 zarr = pytest.importorskip("zarr")
@@ -295,7 +295,7 @@ def test_npy_and_png(tmp_path):
         size = (tmp_path / "a.png").stat().st_size
         assert size <= r.stats.bytes - r.stats.header <= size + 512  # PIL decodes it all
     Image.fromarray(hwc[..., 0]).save(tmp_path / "gray.png")
-    with open_image(tmp_path / "gray.png", channels=3) as r:  # as fxpar.io.data converts
+    with open_image(tmp_path / "gray.png", channels=3) as r:  # as fxpar.data.data converts
         assert r.shape == (3, 40, 50)
         np.testing.assert_array_equal(r.read(window), np.repeat(hwc[None, 3:33, 10:49, 0], 3, 0))
     palette = Image.fromarray((hwc[..., 0] % 5).astype(np.uint8), mode="L").convert("P")

@@ -1,4 +1,4 @@
-"""fxpar.io.samples: class folders and CSVs (labels, masks, level / y / x regions of larger
+"""fxpar.data.samples: class folders and CSVs (labels, masks, level / y / x regions of larger
 slides) as step-indexed batch sources; each rank's window of a batch equals that window of the
 whole batch and is all that is read; bad CSVs name the line and the column."""
 
@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 
 from fxpar.core.geometry import Grid, Rect
-from fxpar.io.data import FolderBatches, ImageFolder, Synthetic, whole_batch
-from fxpar.io.errors import DataError
-from fxpar.io.samples import describe, open_source, task
+from fxpar.data.data import FolderBatches, ImageFolder, Synthetic, whole_batch
+from fxpar.data.errors import DataError
+from fxpar.data.samples import describe, open_source, task
 
 tifffile = pytest.importorskip("tifffile")
 zarr = pytest.importorskip("zarr")

@@ -2,7 +2,6 @@
 
 import pytest
 
-from fxpar.compiler.simulate import ScheduleError, simulate, validate
 from fxpar.core.schedule import (
     Action,
     add_comm,
@@ -13,6 +12,7 @@ from fxpar.core.schedule import (
     pipeline,
     zero_bubble,
 )
+from fxpar.perf.simulate import ScheduleError, simulate, validate
 
 
 def table(order):

@@ -10,8 +10,8 @@ from helpers.equivalence import assert_same, reference_step
 from torch import nn
 
 import fxpar
-from fxpar.io.data import Synthetic
-from fxpar.io.evaluate import Validation
+from fxpar.data.data import Synthetic
+from fxpar.train.evaluate import Validation
 
 SHAPE = (4, 3, 12, 12)
 

@@ -4,9 +4,9 @@ placement, validity and simulated bubbles against the published figures."""
 import pytest
 
 import fxpar
-from fxpar.compiler.simulate import simulate, validate
 from fxpar.core.plan import PlanError, RankMap
 from fxpar.core.schedule import chain, interleaved_1f1b, pipeline, v_position, zero_bubble_v
+from fxpar.perf.simulate import simulate, validate
 
 
 def table(order):

@@ -1,4 +1,4 @@
-"""3-D data without MPI (fxpar.io.data, fxpar.io.volumes): volumes from .npy (memory-mapped)
+"""3-D data without MPI (fxpar.data.data, fxpar.data.volumes): volumes from .npy (memory-mapped)
 and NIfTI (.nii, .nii.gz through nibabel) read one window at a time, compared with numpy
 slicing of the whole array; only the window is read (NaN outside it in the batch, the memmap
 slice, the bytes nibabel reads); header checks; synthetic volumes whose windows agree with the
@@ -19,7 +19,7 @@ from PIL import Image
 import fxpar
 from fxpar.cli import run
 from fxpar.core.geometry import Rect
-from fxpar.io.data import (
+from fxpar.data.data import (
     DataError,
     FolderBatches,
     ImageFolder,

@@ -23,10 +23,10 @@ from fxpar.core import meta
 from fxpar.core.geometry import Rect
 from fxpar.core.meta import TensorInfo
 from fxpar.core.plan import PlanError
-from fxpar.io.layout import rank_folder
-from fxpar.io.loader import load
-from fxpar.io.program import Program
 from fxpar.passes.halo import bounding
+from fxpar.program.layout import rank_folder
+from fxpar.program.loader import load
+from fxpar.program.program import Program
 from fxpar.runtime.spatial.ops import Halo, HaloOp
 
 

@@ -3,8 +3,8 @@
 A tile op (halo exchange, join, synchronised batch and group norm, reduction over the image)
 communicates within its *tile group*: the ranks holding the tiles of one spatial stage of one
 model copy, named by ``key`` (fxpar.runtime.spatial.ops.group_key). The op keeps only that name
-as data (an emitted program writes it as a constructor argument, see fxpar.io.emit); the
-communicator belongs to the rank program (fxpar.io.program.RankProgram), which made it. The
+as data (an emitted program writes it as a constructor argument, see fxpar.program.emit); the
+communicator belongs to the rank program (fxpar.program.program.RankProgram), which made it. The
 program hands it to its ops (:meth:`TileGroups.bind`) before every step it runs and takes it
 back when it closes, so programs built in one process never run over each other's
 communicators, even when they share stage modules (two rank programs of one Program).

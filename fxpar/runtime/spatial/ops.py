@@ -289,7 +289,7 @@ class Halo(TileOp):
         self.tag = tag  # forward messages use tag, backward tag + 1 (unique per halo node)
 
     def emit_args(self) -> dict[str, Any]:
-        """The constructor's arguments (fxpar.io.emit writes ``Halo(**these)`` as code)."""
+        """The constructor's arguments (fxpar.program.emit writes ``Halo(**these)`` as code)."""
         return {"exchange": self.exchange, "key": self.key, "replicated": self.replicated,
                 "tag": self.tag}
 

@@ -97,7 +97,7 @@ class TileReduce(TileOp):
             self._sizes = sizes
 
     def emit_args(self) -> dict[str, Any]:
-        """The constructor's arguments (fxpar.io.emit writes ``TileReduce(**these)``)."""
+        """The constructor's arguments (fxpar.program.emit writes ``TileReduce(**these)``)."""
         return {"kind": self.kind, "key": self.key, "extent": self.extent, "box": self.box,
                 "keepdim": self.keepdim, "out": self.out}
 

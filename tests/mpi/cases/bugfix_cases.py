@@ -22,8 +22,8 @@ from helpers.transparency import Case, check, sgd, sub_comm
 from torch import nn
 
 import fxpar
-from fxpar.io import checkpoint
-from fxpar.io.loader import load
+from fxpar.program import checkpoint
+from fxpar.program.loader import load
 
 SHAPE = (4, 3, 11, 13)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fxpar.cli.calibrate import main
 from fxpar.comm.world import world
-from fxpar.compiler.profile import Profile
+from fxpar.perf.profile import Profile
 
 
 def case_calibrate_quick_writes_a_measured_profile():

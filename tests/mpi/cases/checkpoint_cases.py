@@ -25,8 +25,8 @@ from helpers.transparency import sgd, sub_comm
 
 import fxpar
 from fxpar import models
-from fxpar.io import checkpoint
-from fxpar.io.checkpoint import CheckpointError
+from fxpar.program import checkpoint
+from fxpar.program.checkpoint import CheckpointError
 
 
 def _resnet():

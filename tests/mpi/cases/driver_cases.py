@@ -21,11 +21,11 @@ from torch import nn
 
 import fxpar
 from fxpar.cli.run import main as fxpar_run
-from fxpar.compiler.planner import describe
 from fxpar.core.geometry import Rect
-from fxpar.io.data import FolderBatches, ImageFolder
-from fxpar.io.metrics import load_metrics
+from fxpar.data.data import FolderBatches, ImageFolder
 from fxpar.models.zoo import build_model
+from fxpar.planner.planner import describe
+from fxpar.train.metrics import load_metrics
 
 HERE = Path(__file__)
 SIZE = 20
@@ -233,7 +233,7 @@ def case_cli_resume_from_checkpoint_equals_uninterrupted_and_saves_programs():
     """fxpar-run --checkpoint/--resume: 2 steps, save, resume to 4 == 4 steps in one go (every
     parameter and buffer, bitwise, via the exported checkpoints); --save-program under mpiexec
     writes one folder per rank that fxpar-run then runs."""
-    from fxpar.io.checkpoint import export
+    from fxpar.program.checkpoint import export
 
     comm = sub_comm(3)
     if comm is None:

@@ -14,7 +14,7 @@ from helpers.transparency import sgd, sub_comm
 import fxpar
 from fxpar.cli.run import main as fxpar_run
 from fxpar.comm.world import world
-from fxpar.io.loader import load
+from fxpar.program.loader import load
 
 
 def _shared_dir(comm) -> Path:

@@ -26,9 +26,9 @@ from torch import nn
 import fxpar
 from fxpar.cli.run import main as fxpar_run
 from fxpar.core.geometry import Rect
-from fxpar.io.data import ImageFolder
-from fxpar.io.evaluate import Validation, evaluate
-from fxpar.io.metrics import load_metrics
+from fxpar.data.data import ImageFolder
+from fxpar.train.evaluate import Validation, evaluate
+from fxpar.train.metrics import load_metrics
 
 HERE = Path(__file__)
 SIZE = 16
@@ -141,7 +141,7 @@ def assert_metrics(got: dict[str, Any], want: dict[str, Any], where: str) -> str
 
 
 class Tensors:
-    """A BatchSource of one sample per step over tensors (what fxpar.io.samples gives for a
+    """A BatchSource of one sample per step over tensors (what fxpar.data.samples gives for a
     CSV with masks): x with only the window filled (NaN elsewhere), y whole. (A plain class:
     load_case imports this file outside sys.modules, where dataclasses fail.)"""
 
@@ -225,7 +225,7 @@ def case_spatial_segmenter_eval_with_masks_equals_one_process():
 
 
 def case_fxpar_run_validates_prints_writes_metrics_and_keeps_the_best():
-    from fxpar.io.checkpoint import export, read_manifest
+    from fxpar.program.checkpoint import export, read_manifest
 
     comm = sub_comm(4)
     if comm is None:
@@ -271,7 +271,7 @@ def case_fxpar_run_validates_prints_writes_metrics_and_keeps_the_best():
 
 
 def case_fxpar_run_segmentation_from_csv_masks_keeps_the_best_dice():
-    from fxpar.io.checkpoint import export, read_manifest
+    from fxpar.program.checkpoint import export, read_manifest
 
     comm = sub_comm(2)
     if comm is None:
@@ -299,7 +299,7 @@ def case_fxpar_run_segmentation_from_csv_masks_keeps_the_best_dice():
         evals = load_metrics(root / "m.json")["eval"]
         assert [e["step"] for e in evals] == [1, 2, 3] and evals[0]["pixels"] == 5 * SIZE**2
         # training read only each rank's tile of the masks and still trained like one process
-        from fxpar.io.samples import open_source
+        from fxpar.data.samples import open_source
 
         torch.manual_seed(0)  # fxpar-run's --seed
         ref = tiny_segmenter(CLASSES).double()

@@ -16,7 +16,7 @@ from helpers.transparency import Case, check
 
 import fxpar
 from fxpar import models
-from fxpar.io.program import to_channels_last
+from fxpar.program.program import to_channels_last
 
 P = fxpar.Plan
 

@@ -217,7 +217,7 @@ for _loss, _plan, _model in LIBRARY:
 def _pixel_share(loss_fn: Callable) -> Callable:
     """The rule fxpar had before the loss was captured: each tile's loss of its own pixels,
     weighted by its share of the pixels (exact for a per-pixel mean only)."""
-    from fxpar.io.tileloss import TileLoss
+    from fxpar.program.tileloss import TileLoss
 
     def call(self: TileLoss, copy: int, tile: int, output, target):
         box = self.grid.tile_rect(self.extent, tile)
@@ -232,7 +232,7 @@ def _mutated(loss: str) -> list[str]:
     """The failures the harness reports for ``loss`` under SP2 with the old per-tile rule."""
     from helpers.equivalence import collect_failures
 
-    from fxpar.io.tileloss import TileLoss
+    from fxpar.program.tileloss import TileLoss
 
     make, kind = LOSSES[loss]
     fn = make()

@@ -303,7 +303,7 @@ def case_fp16_checkpoint_keeps_the_loss_scale() -> None:
     import shutil
     import tempfile
 
-    from fxpar.io import checkpoint
+    from fxpar.program import checkpoint
 
     plan = P(spatial_parts=2, precision="fp16")
     comm = sub_comm(plan.world_size)

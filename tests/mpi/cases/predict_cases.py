@@ -241,7 +241,7 @@ def case_ranks_read_only_the_tiff_tiles_of_their_windows():
     result equals the whole image."""
     import tifffile
 
-    from fxpar.io.images import open_image
+    from fxpar.data.images import open_image
 
     comm = world()
     folder = _tmp(comm)

@@ -99,7 +99,7 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...], fxpar.Pla
 def case_amoeba_sp2_pp2_auto_recomputes_the_stage_over_budget() -> None:
     """recompute="auto" with a budget between the ranks' estimates: the stages of the ranks
     over it are recomputed, the others not, and training is still exact."""
-    from fxpar.compiler.memory import estimate
+    from fxpar.perf.memory import estimate
 
     plan = P(stages=2, spatial_parts=2, microbatches=2, schedule="1f1b")
     shape = (4, 3, 48, 48)

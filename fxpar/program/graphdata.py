@@ -1,0 +1,320 @@
+"""A stage module as data: its fx graph, submodules and tensors as JSON, and back again.
+
+``fxpar.program.emit`` writes each stage's ``graph.json`` beside its generated ``module.py`` (which
+stays, for reading); ``fxpar.program.loader`` builds the stage from ``graph.json`` and
+``weights.pt`` (read with ``weights_only=True``). Loading a saved program therefore runs no
+code from its folder: every function a node calls, every class a submodule is made from and
+every value type is named in the JSON and resolved against a fixed list of homes (ATen ops
+through ``torch.ops``, ``operator``, ``math``, ``torch`` and ``fxpar``), so a folder from
+elsewhere can at worst name a function fxpar itself or torch defines; anything else is a
+:class:`PlanError` naming it.
+
+One node is one JSON object::
+
+    {"name": "conv2d", "op": "call_function", "target": {"aten": "conv2d.default"},
+     "args": [{"node": "x"}, {"node": "conv1.weight"}, null, {"tuple": [2, 2]}, ...]}
+
+Values keep their Python types through one-key tags: ``{"tuple": [...]}``, ``{"slice": [a,
+b, c]}``, ``{"dtype": "float64"}``, ``{"node": name}``, ``{"dataclass": "module:Class",
+"fields": {...}}`` (fxpar's own records, such as a halo exchange), ``{"dict": [[k, v],
+...]}``, ``{"float": "inf"}``; lists, strings, numbers, booleans and null are themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import math
+import operator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fxpar.core.modelkeys import put
+from fxpar.core.plan import PlanError
+
+FORMAT = 1
+"""The version of a ``graph.json`` (its "fxpar_graph")."""
+
+HOMES = ("operator", "math", "builtins", "torch", "fxpar")
+"""The modules (and their submodules) a saved graph may name a function or class from."""
+
+_BUILTINS = {"getattr": getattr, "slice": slice, "len": len, "int": int, "float": float}
+"""The builtins an fx graph calls (``getattr`` on a tensor, sizes)."""
+
+
+def _qualified(obj: Any) -> str:
+    mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if mod == "builtins" and qual in _BUILTINS:
+        return f"builtins:{qual}"
+    if not mod or not qual or "<" in qual or not _at_home(mod):
+        raise PlanError(f"{obj!r} is not a function or class of {', '.join(HOMES)}")
+    for name in (f"{mod}:{qual}", f"{mod}:{getattr(obj, '__name__', '')}"):
+        try:  # a torch builtin's qualname is its class's (torch.conv_transpose3d's is
+            if resolve(name) is obj:  # _VariableFunctionsClass.conv_transpose3d)
+                return name
+        except PlanError:
+            pass
+    raise PlanError(f"{mod}.{qual} does not name {obj!r}")
+
+
+def _at_home(mod: str) -> bool:
+    return any(mod == h or mod.startswith(h + ".") for h in HOMES)
+
+
+def resolve(name: str) -> Any:
+    """The function or class ``"module:qualname"`` names, from :data:`HOMES` only."""
+    mod, _, qual = name.partition(":")
+    if mod == "builtins":
+        if qual not in _BUILTINS:
+            raise PlanError(f"a saved graph names builtins.{qual}, which fxpar does not load")
+        return _BUILTINS[qual]
+    if not _at_home(mod) or not qual:
+        raise PlanError(f"a saved graph names {name!r}: fxpar loads only functions and "
+                        f"classes of {', '.join(HOMES)} (the folder was not written by "
+                        f"fxpar, or was edited)")
+    try:
+        obj: Any = importlib.import_module(mod)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise PlanError(f"a saved graph names {mod}.{qual}, which this fxpar and torch do "
+                        f"not have: save the program again with this version") from e
+    return obj
+
+
+# -- values -----------------------------------------------------------------------------------
+def encode(v: Any) -> Any:
+    """``v`` as JSON (see the module docstring); a PlanError for a value with no JSON form."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else {"float": repr(v)}
+    if isinstance(v, fx.Node):
+        return {"node": v.name}
+    if isinstance(v, list):
+        return [encode(x) for x in v]
+    if isinstance(v, tuple):
+        return {"tuple": [encode(x) for x in v]}
+    if isinstance(v, dict):
+        return {"dict": [[encode(k), encode(x)] for k, x in v.items()]}
+    if isinstance(v, slice):
+        return {"slice": [encode(v.start), encode(v.stop), encode(v.step)]}
+    if v is Ellipsis:
+        return {"ellipsis": None}
+    if isinstance(v, torch.dtype):
+        return {"dtype": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.device):
+        return {"device": str(v)}
+    if isinstance(v, torch.memory_format):
+        return {"memory_format": str(v).removeprefix("torch.")}
+    if isinstance(v, torch.layout):
+        return {"layout": str(v).removeprefix("torch.")}
+    if isinstance(v, enum.Enum):
+        return {"enum": _qualified(type(v)), "value": encode(v.value)}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {"dataclass": _qualified(type(v)),
+                "fields": {f.name: encode(getattr(v, f.name))
+                           for f in dataclasses.fields(v) if f.init}}
+    raise PlanError(f"no JSON form for a {type(v).__name__} ({v!r})")
+
+
+_TORCH_ENUMS = {"dtype": torch.dtype, "memory_format": torch.memory_format,
+                "layout": torch.layout}
+
+
+def decode(v: Any, nodes: dict[str, fx.Node] | None = None) -> Any:
+    """The value :func:`encode` wrote; ``nodes``: the graph's nodes so far, by name."""
+    if not isinstance(v, (dict, list)):
+        return v
+    if isinstance(v, list):
+        return [decode(x, nodes) for x in v]
+    if len(v) == 1 or set(v) in ({"enum", "value"}, {"dataclass", "fields"}):
+        tag = next(iter(v))
+        body = v[tag]
+        if tag == "node":
+            if nodes is None or body not in nodes:
+                raise PlanError(f"a saved graph uses node {body!r} before defining it")
+            return nodes[body]
+        if tag == "tuple":
+            return tuple(decode(x, nodes) for x in body)
+        if tag == "dict":
+            return {decode(k, nodes): decode(x, nodes) for k, x in body}
+        if tag == "slice":
+            return slice(*(decode(x, nodes) for x in body))
+        if tag == "ellipsis":
+            return Ellipsis
+        if tag == "float":
+            return float(body)
+        if tag == "device":
+            return torch.device(body)
+        if tag in _TORCH_ENUMS:
+            found = getattr(torch, str(body), None)
+            if not isinstance(found, _TORCH_ENUMS[tag]):
+                raise PlanError(f"a saved graph names torch.{body}, which is not a {tag}")
+            return found
+        if tag == "enum":
+            return resolve(body)(decode(v["value"], nodes))
+        if tag == "dataclass":
+            cls = resolve(body)
+            if not dataclasses.is_dataclass(cls):
+                raise PlanError(f"a saved graph names {body} as a record, which it is not")
+            return cls(**{k: decode(x, nodes) for k, x in v["fields"].items()})
+    raise PlanError(f"a saved graph holds a value fxpar does not read: {v!r}")
+
+
+# -- targets ----------------------------------------------------------------------------------
+def _target(n: fx.Node) -> Any:
+    t = n.target
+    if n.op in ("placeholder", "output", "get_attr", "call_module", "call_method"):
+        return t
+    if isinstance(t, torch._ops.OpOverload):
+        return {"ops": f"{t.namespace}.{t._opname}.{t._overloadname}"}
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        return {"ops": f"{t._qualified_op_name.replace('::', '.')}"}
+    if t is operator.getitem:
+        return {"function": "operator:getitem"}
+    return {"function": _qualified(t)}
+
+
+def _resolve_target(op: str, t: Any) -> Any:
+    if op in ("placeholder", "output", "get_attr", "call_module"):
+        return str(t)
+    if op == "call_method":
+        if not (isinstance(t, str) and t.isidentifier() and not t.startswith("_")
+                and callable(getattr(torch.Tensor, t, None))):
+            raise PlanError(f"a saved graph calls {t!r}, which is not a torch.Tensor method")
+        return t
+    if isinstance(t, dict) and "ops" in t:
+        obj: Any = torch.ops
+        try:
+            for part in str(t["ops"]).split("."):
+                obj = getattr(obj, part)
+        except (AttributeError, RuntimeError) as e:
+            raise PlanError(f"a saved graph calls torch.ops.{t['ops']}, which this torch "
+                            f"does not have: save the program again with this torch") from e
+        return obj
+    if isinstance(t, dict) and "function" in t:
+        fn = resolve(str(t["function"]))
+        if not callable(fn):
+            raise PlanError(f"a saved graph calls {t['function']}, which is not callable")
+        return fn
+    raise PlanError(f"a saved graph has a node target fxpar does not read: {t!r}")
+
+
+# -- a whole stage module ---------------------------------------------------------------------
+def graph_data(gm: fx.GraphModule) -> dict[str, Any]:
+    """Stage module ``gm`` as JSON: its nodes, its submodules (fxpar's own ops, by their
+    ``emit_args``) and how each of its tensors is held (their values go to weights.pt)."""
+    nodes = []
+    for n in gm.graph.nodes:
+        entry: dict[str, Any] = {"name": n.name, "op": n.op, "target": _target(n),
+                                 "args": encode(list(n.args))}
+        if n.kwargs:
+            entry["kwargs"] = encode(dict(n.kwargs))["dict"]
+        nodes.append(entry)
+    modules = []
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    for path in dict.fromkeys(called):
+        m = gm.get_submodule(path)
+        if not hasattr(m, "emit_args"):
+            raise PlanError(f"submodule {path} is a {type(m).__name__}, not one of fxpar's ops")
+        modules.append({"path": path, "class": _qualified(type(m)),
+                        "args": encode(m.emit_args())})
+    return {"fxpar_graph": FORMAT, "nodes": nodes, "modules": modules,
+            "tensors": _tensors(gm, called)}
+
+
+def _tensors(gm: nn.Module, modules: list[str]) -> list[dict[str, Any]]:
+    """Every state_dict entry outside the called submodules: a parameter, a buffer, or an
+    alias of an entry before it (the model's tied weights, fxpar.core.modelkeys)."""
+    first: dict[int, str] = {}
+    out = []
+    for key, t in gm.state_dict(keep_vars=True).items():
+        if any(key.startswith(p + ".") for p in modules):
+            continue
+        seen = first.setdefault(id(t), key)
+        if seen != key:
+            out.append({"path": key, "alias_of": seen})
+        elif isinstance(t, nn.Parameter):
+            out.append({"path": key, "parameter": True, "requires_grad": t.requires_grad})
+        else:
+            out.append({"path": key, "parameter": False})
+    # a tensor the graph reads that no state_dict lists (a non-persistent buffer)
+    listed = {e["path"] for e in out}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and str(n.target) not in listed:
+            obj = _attr(gm, str(n.target))
+            if not isinstance(obj, torch.Tensor):
+                raise PlanError(f"attribute {n.target} is a {type(obj).__name__}, not a tensor")
+            out.append({"path": str(n.target), "parameter": False, "persistent": False})
+            listed.add(str(n.target))
+    return out
+
+
+def _attr(root: nn.Module, path: str) -> Any:
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def build(data: dict[str, Any], state: dict[str, torch.Tensor], class_name: str = "Stage"
+          ) -> fx.GraphModule:
+    """The stage module :func:`graph_data` described, holding the tensors of ``state`` (the
+    saved weights.pt, read with ``weights_only=True``)."""
+    if data.get("fxpar_graph") != FORMAT:
+        raise PlanError(f"a saved graph has format {data.get('fxpar_graph')!r}; this fxpar "
+                        f"reads format {FORMAT}: save the program again")
+    root = nn.Module()
+    for m in data["modules"]:
+        cls = resolve(m["class"])
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)
+                and hasattr(cls, "emit_args")):
+            raise PlanError(f"a saved graph builds {m['class']}, which is not one of fxpar's "
+                            f"ops")
+        put(root, m["path"], cls(**decode(m["args"])))
+    later = []
+    for t in data["tensors"]:
+        if "alias_of" in t:
+            later.append(t)
+            continue
+        if t["path"] not in state:
+            raise PlanError(f"weights.pt has no tensor {t['path']!r} that graph.json names")
+        value = state[t["path"]]
+        if t["parameter"]:
+            put(root, t["path"], nn.Parameter(value, requires_grad=t["requires_grad"]))
+        else:
+            put(root, t["path"], value, persistent=t.get("persistent", True))
+    graph = fx.Graph()
+    nodes: dict[str, fx.Node] = {}
+    for e in data["nodes"]:
+        args = tuple(decode(e["args"], nodes))
+        kwargs = {k: decode(x, nodes) for k, x in e.get("kwargs", [])}
+        node = graph.create_node(e["op"], _resolve_target(e["op"], e["target"]), args,
+                                 kwargs, name=e["name"])
+        nodes[e["name"]] = node
+    gm = fx.GraphModule(root, graph, class_name)
+    for t in later:  # aliases: the very tensor of the entry they alias
+        held = _attr(gm, t["alias_of"])
+        put(gm, t["path"], held)
+    for t in data["tensors"]:  # what the graph does not read is not copied by GraphModule
+        if "alias_of" not in t and not _has(gm, t["path"]):
+            put(gm, t["path"], _attr(root, t["path"]), persistent=t.get("persistent", True))
+    listed = set(gm.state_dict())
+    loose = set(state) - listed - {t["path"] for t in data["tensors"]}
+    if loose:
+        raise PlanError(f"weights.pt holds tensors graph.json does not place: "
+                        f"{sorted(loose)[:5]}")
+    gm.load_state_dict({k: v for k, v in state.items() if k in listed}, strict=True)
+    return gm
+
+
+def _has(root: nn.Module, path: str) -> bool:
+    try:
+        _attr(root, path)
+    except AttributeError:
+        return False
+    return True
