@@ -108,6 +108,11 @@ def _launch(cases: list[str], n: int, timeout: float, env: dict[str, str]
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         timed_out = True
+    except BaseException:  # interrupted (Ctrl-C, pytest-timeout): leave no ranks running
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     elapsed = time.monotonic() - start
     results: dict[str, CaseResult] = {}
     unstarted: list[str] = []

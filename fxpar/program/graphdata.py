@@ -297,12 +297,14 @@ def build(data: dict[str, Any], state: dict[str, torch.Tensor], class_name: str 
                                  kwargs, name=e["name"])
         nodes[e["name"]] = node
     gm = fx.GraphModule(root, graph, class_name)
-    for t in later:  # aliases: the very tensor of the entry they alias
-        held = _attr(gm, t["alias_of"])
-        put(gm, t["path"], held)
     for t in data["tensors"]:  # what the graph does not read is not copied by GraphModule
         if "alias_of" not in t and not _has(gm, t["path"]):
             put(gm, t["path"], _attr(root, t["path"]), persistent=t.get("persistent", True))
+    for t in later:  # aliases: the very tensor of the entry they alias
+        if not _has(gm, t["alias_of"]):
+            raise PlanError(f"graph.json names {t['path']!r} an alias of "
+                            f"{t['alias_of']!r}, which it does not hold")
+        put(gm, t["path"], _attr(gm, t["alias_of"]))
     listed = set(gm.state_dict())
     loose = set(state) - listed - {t["path"] for t in data["tensors"]}
     if loose:

@@ -5,7 +5,7 @@ import pytest
 from helpers.launch import cases_in, check, launch
 
 CASES, NAMES = cases_in("bugfix_cases.py")
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(900)]  # the launch's own limit ends first
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +13,6 @@ def results():
     return launch(CASES, n=4, timeout=600)
 
 
-@pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES, ids=NAMES)
 def test_bugfix(results, case):
     check(results, case)

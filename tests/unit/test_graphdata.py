@@ -16,7 +16,28 @@ from fxpar.core.plan import PlanError
 from fxpar.program.graphdata import build, decode, encode, graph_data
 from fxpar.program.loader import load
 
+
+class Tied(torch.nn.Module):
+    """A weight reached under two names (tied) and a layer the forward never uses, whose own
+    tensors and alias the last stage keeps (fxpar.core.modelkeys)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3, padding=1),
+                                        torch.nn.BatchNorm2d(6), torch.nn.ReLU())
+        self.body = torch.nn.Conv2d(6, 6, 3, padding=1)
+        self.again = self.body  # the same module under a second name
+        self.fc = torch.nn.Linear(6, 5)
+        self.spare = torch.nn.Linear(6, 5)
+        self.spare_alias = self.spare
+
+    def forward(self, x):
+        return self.fc(self.again(self.stem(x)).mean((2, 3)))
+
+
 PROGRAMS = {
+    "tied weights and an unused layer, SP2 + PP2": (
+        Tied, (4, 3, 11, 13), fxpar.Plan(spatial_parts=2, stages=2, microbatches=2)),
     "resnet18 SP2x2 on 2 spatial stages + PP, halo fusion": (
         lambda: tvm.resnet18(num_classes=5), (4, 3, 32, 32),
         fxpar.Plan(stages=3, spatial_parts=4, spatial_stages=2, microbatches=2,

@@ -150,39 +150,39 @@ def _check_state_roundtrips(plan: fxpar.Plan) -> None:
     example = torch.empty(SHAPE, dtype=torch.float64, device="meta")
     program = fxpar.compile(model, plan, example, optimizer=sgd)
     folder = _folder(comm)
-    try:
-        if comm.rank == 0:
-            program.save(folder / "program")
-        comm.barrier()
-        loaded = load(folder / "program", comm, optimizer=sgd)
-        got = loaded.full_state_dict()
-        _on_rank0(comm, lambda: _same_state("saved program", got, initial))
-        rp = program.local(comm)
-        assert dict(loaded.named_parameters()).keys() == dict(rp.named_parameters()).keys()
-        _train(rp)
-        full = rp.full_state_dict()
+    # no try/finally with a barrier: a rank that failed would meet its peers' next collective
+    # there and hang the job instead of ending it (the folder stays in /tmp then)
+    if comm.rank == 0:
+        program.save(folder / "program")
+    comm.barrier()
+    loaded = load(folder / "program", comm, optimizer=sgd)
+    got = loaded.full_state_dict()
+    _on_rank0(comm, lambda: _same_state("saved program", got, initial))
+    rp = program.local(comm)
+    assert dict(loaded.named_parameters()).keys() == dict(rp.named_parameters()).keys()
+    _train(rp)
+    full = rp.full_state_dict()
 
-        def trained() -> None:
-            assert list(full) == list(initial), f"{list(full)} != {list(initial)}"
-            for k in ("spare.weight", "spare.bias", "spare_alias.weight"):  # no gradient
-                assert_same(k, full[k], initial[k], 0.0, 0.0)
-            fresh = Both().double()
-            fresh.load_state_dict(full, strict=True)
+    def trained() -> None:
+        assert list(full) == list(initial), f"{list(full)} != {list(initial)}"
+        for k in ("spare.weight", "spare.bias", "spare_alias.weight"):  # no gradient
+            assert_same(k, full[k], initial[k], 0.0, 0.0)
+        fresh = Both().double()
+        fresh.load_state_dict(full, strict=True)
 
-        _on_rank0(comm, trained)
-        checkpoint.save(rp, folder / "ckpt", step=2)
-        _on_rank0(comm, lambda: _same_state("export", checkpoint.export(folder / "ckpt"), full))
-        other = fxpar.compile(twin, plan, example, optimizer=sgd).local(comm)
-        assert checkpoint.load(other, folder / "ckpt") == 2
-        got = other.full_state_dict()
-        _on_rank0(comm, lambda: _same_state("loaded checkpoint", got, full))
-        other.load_state_dict(initial, strict=True)  # every aliased key accepted
-        got = other.full_state_dict()
-        _on_rank0(comm, lambda: _same_state("load_state_dict", got, initial))
-    finally:
-        comm.barrier()
-        if comm.rank == 0:
-            shutil.rmtree(folder, ignore_errors=True)
+    _on_rank0(comm, trained)
+    checkpoint.save(rp, folder / "ckpt", step=2)
+    _on_rank0(comm, lambda: _same_state("export", checkpoint.export(folder / "ckpt"), full))
+    other = fxpar.compile(twin, plan, example, optimizer=sgd).local(comm)
+    assert checkpoint.load(other, folder / "ckpt") == 2
+    got = other.full_state_dict()
+    _on_rank0(comm, lambda: _same_state("loaded checkpoint", got, full))
+    other.load_state_dict(initial, strict=True)  # every aliased key accepted
+    got = other.full_state_dict()
+    _on_rank0(comm, lambda: _same_state("load_state_dict", got, initial))
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def case_state_of_aliases_and_unused_roundtrips_lp2():
