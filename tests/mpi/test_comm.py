@@ -50,6 +50,30 @@ def test_hung_job_is_killed_at_the_timeout():
     assert "timeout" in only.report and "ranks that started it: [0, 1]" in only.report
 
 
+def test_an_interrupted_launch_leaves_no_rank_running():
+    """pytest-timeout (or Ctrl-C) interrupting ``run_cases`` must take the job's ranks with it:
+    a hung launch left running burns cores for the rest of the suite."""
+    import signal
+    import subprocess
+
+    hang = f"{Path(__file__).parent / 'cases' / 'hang_cases.py'}::case_hang"
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(15)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_cases([hang], n=2, timeout=300, pythonpath=PATHS)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    left = subprocess.run(["pgrep", "-f", "hang_cases.py::case_hang"], capture_output=True,
+                          text=True).stdout.split()
+    assert not left, f"ranks still running: {left}"
+
+
 def test_failure_after_the_peers_exited_is_still_a_failure():
     """MPI_Abort may return when no peer is left to end: the rank must still exit non-zero and
     the case must not be reported as passed."""
