@@ -35,6 +35,7 @@ import re
 import sys
 import types
 from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -172,8 +173,6 @@ class StageSource:
 
     code: str
     weights: dict[str, torch.Tensor]
-    graph: dict[str, Any]
-    """The module as data (fxpar.program.graphdata): what the loader builds it from."""
 
 
 def _referenced(gm: fx.GraphModule) -> list[str]:
@@ -182,15 +181,8 @@ def _referenced(gm: fx.GraphModule) -> list[str]:
     for n in gm.graph.nodes:
         if n.op in ("call_module", "get_attr"):
             seen.setdefault(str(n.target))
-    modules = {p for p in seen if isinstance(_get(gm, p), nn.Module)}
+    modules = {p for p in seen if isinstance(attrgetter(p)(gm), nn.Module)}
     return [p for p in seen if not any(p.startswith(q + ".") for q in modules)]
-
-
-def _get(root: nn.Module, path: str) -> Any:
-    obj: Any = root
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _annotated(gm: fx.GraphModule, body: str) -> str:
@@ -226,7 +218,7 @@ def stage_source(gm: fx.GraphModule, class_name: str, header: str) -> StageSourc
     init: list[str] = []
     weights: dict[str, torch.Tensor] = {}
     for path in _referenced(gm):
-        obj = _get(gm, path)
+        obj = attrgetter(path)(gm)
         if isinstance(obj, nn.Module):
             try:
                 expr = _constructor(obj, imp)
@@ -274,11 +266,7 @@ def load(map_location: str | torch.device = "cpu") -> {class_name}:
     module.load_state_dict(state)
     return module.to(map_location)
 '''
-    try:
-        data = graph_data(gm)
-    except PlanError as e:
-        raise PlanError(f"stage module {class_name} cannot be saved as data: {e}") from e
-    return StageSource(text, {k: v.detach() for k, v in weights.items()}, data)
+    return StageSource(text, {k: v.detach() for k, v in weights.items()})
 
 
 def _unread_state(gm: nn.Module, written: set[str], weights: dict[str, torch.Tensor]
@@ -389,14 +377,16 @@ def _header(program: CompiledProgram, rank: int, copy: int, stage: int) -> str:
 def rank_sources(program: CompiledProgram, rank: int) -> dict[str, str]:
     """Rank ``rank``'s generated files as text (what ``save`` writes; no weights)."""
     out = {f"{stage_folder(c, s)}/module.py": src.code
-           for (c, s), src in _rank_stages(program, rank).items()}
+           for (c, s), (_m, src) in _rank_stages(program, rank).items()}
     out["actions.txt"] = _actions_text(program, rank)
     return out
 
 
-def _rank_stages(program: CompiledProgram, rank: int) -> dict[tuple[int, int], StageSource]:
+def _rank_stages(program: CompiledProgram, rank: int
+                 ) -> dict[tuple[int, int], tuple[nn.Module, StageSource]]:
+    """Rank ``rank``'s stage modules, each with its generated source."""
     mods = program.stage_modules(rank)
-    return {(c, s): stage_source(m, _class_name(m, s), _header(program, rank, c, s))
+    return {(c, s): (m, stage_source(m, _class_name(m, s), _header(program, rank, c, s)))
             for (c, s), m in sorted(mods.items())}
 
 
@@ -449,11 +439,15 @@ def save(program: CompiledProgram, folder: str | os.PathLike[str],
                      "plan": info["plan"], "roles": info["ranks"][rank]["roles"],
                      "input_window": None if windows is None else windows[rank],
                      "stages": {}}
-        for (c, s), src in _rank_stages(program, rank).items():
+        for (c, s), (module, src) in _rank_stages(program, rank).items():
+            try:  # the module as data: what the loader builds it from (fxpar.program.graphdata)
+                data = graph_data(module)  # type: ignore[arg-type]
+            except PlanError as e:
+                raise PlanError(f"stage {s} of rank {rank} cannot be saved as data: {e}") from e
             sdir = rdir / stage_folder(c, s)
             sdir.mkdir(exist_ok=True)
             _write(sdir / "module.py", src.code)
-            _write(sdir / "graph.json", json.dumps(src.graph, separators=(",", ":")) + "\n")
+            _write(sdir / "graph.json", json.dumps(data, separators=(",", ":")) + "\n")
             _write(sdir / "__init__.py", "from .module import *  # noqa: F403\n")
             _save_tensor_file(sdir / "weights.pt", src.weights)
             rank_info["stages"][stage_folder(c, s)] = {"copy": c, "stage": s}

@@ -27,6 +27,7 @@ import enum
 import importlib
 import math
 import operator
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -246,19 +247,12 @@ def _tensors(gm: nn.Module, modules: list[str]) -> list[dict[str, Any]]:
     listed = {e["path"] for e in out}
     for n in gm.graph.nodes:
         if n.op == "get_attr" and str(n.target) not in listed:
-            obj = _attr(gm, str(n.target))
+            obj = attrgetter(str(n.target))(gm)
             if not isinstance(obj, torch.Tensor):
                 raise PlanError(f"attribute {n.target} is a {type(obj).__name__}, not a tensor")
             out.append({"path": str(n.target), "parameter": False, "persistent": False})
             listed.add(str(n.target))
     return out
-
-
-def _attr(root: nn.Module, path: str) -> Any:
-    obj: Any = root
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def build(data: dict[str, Any], state: dict[str, torch.Tensor], class_name: str = "Stage"
@@ -299,12 +293,13 @@ def build(data: dict[str, Any], state: dict[str, torch.Tensor], class_name: str 
     gm = fx.GraphModule(root, graph, class_name)
     for t in data["tensors"]:  # what the graph does not read is not copied by GraphModule
         if "alias_of" not in t and not _has(gm, t["path"]):
-            put(gm, t["path"], _attr(root, t["path"]), persistent=t.get("persistent", True))
+            put(gm, t["path"], attrgetter(t["path"])(root),
+                persistent=t.get("persistent", True))
     for t in later:  # aliases: the very tensor of the entry they alias
         if not _has(gm, t["alias_of"]):
             raise PlanError(f"graph.json names {t['path']!r} an alias of "
                             f"{t['alias_of']!r}, which it does not hold")
-        put(gm, t["path"], _attr(gm, t["alias_of"]))
+        put(gm, t["path"], attrgetter(t["alias_of"])(gm))
     listed = set(gm.state_dict())
     loose = set(state) - listed - {t["path"] for t in data["tensors"]}
     if loose:
@@ -316,7 +311,7 @@ def build(data: dict[str, Any], state: dict[str, torch.Tensor], class_name: str 
 
 def _has(root: nn.Module, path: str) -> bool:
     try:
-        _attr(root, path)
+        attrgetter(path)(root)
     except AttributeError:
         return False
     return True

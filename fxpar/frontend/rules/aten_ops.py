@@ -131,8 +131,7 @@ def why_not_aten(n: fx.Node) -> str:
 
 
 # -- the rules, one entry per op --------------------------------------------------------------
-for _packet in POINTWISE:
-    RULES[_packet] = OpRule(lambda _n: Pointwise())
+rule(*POINTWISE)(lambda _n: Pointwise())
 
 
 @rule(aten.cat, refusal="it concatenates along a spatial dim (D, H or W): tiles can only be "
