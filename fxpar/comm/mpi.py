@@ -259,22 +259,33 @@ class Comm:
 
     def _bcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
         buf, done = self._route.inout(t) if self.rank == root else self._route.into(t)
-        self._c.Bcast(buf, root=root)
+        self._wait(lambda: self._c.Bcast(buf, root=root),
+                   lambda: self._c.Ibcast(buf, root=root))
         done()
         return t
 
     def allgather_object(self, obj: object) -> list[Any]:
         """Every rank's picklable ``obj`` (for start-up checks, not for the hot path)."""
         with watching(lambda: self._coll("allgather of Python objects")):
+            self._meet()
             return list(self._c.allgather(obj))
 
     def gather_object(self, obj: object, root: int = 0) -> list[Any] | None:
         with watching(lambda: self._coll("gather of Python objects")):
+            self._meet()
             return self._c.gather(obj, root=root)
 
     def bcast_object(self, obj: object, root: int = 0) -> Any:
         with watching(lambda: self._coll("broadcast of Python objects")):
+            self._meet()
             return self._c.bcast(obj, root=root)
+
+    def _meet(self) -> None:
+        """With ``FXPAR_POLL``, a polled barrier before an object collective (mpi4py has no
+        nonblocking twin of those): ranks that arrive early, such as those waiting while
+        rank 0 traces the model for them, sleep instead of spinning."""
+        if self._route.poll is not None:
+            _complete(self._c.Ibarrier(), self._route.poll)
 
     def barrier(self, poll: float | None = None) -> None:
         """Wait until every rank is here. ``poll``: test every ``poll`` seconds and sleep in

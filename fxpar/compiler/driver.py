@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fxpar.comm.protocol import Comm
 from fxpar.compiler.loss import LossFactory
 from fxpar.compiler.lower import check, lower
 from fxpar.compiler.passdriver import HALO, run_passes
@@ -31,7 +32,8 @@ from fxpar.core.stages import StageGraph
 from fxpar.core.stages import links_of as links_of  # re-exported: inspect, draw, tools
 from fxpar.frontend.capture import where
 from fxpar.frontend.rules.perpixel import mixes_samples
-from fxpar.frontend.trace import check_model, trace
+from fxpar.frontend.share import shared_trace
+from fxpar.frontend.trace import check_model
 from fxpar.passes.halo import tile_stage
 from fxpar.passes.precision import precision
 from fxpar.passes.spatial_region import (
@@ -205,6 +207,7 @@ def compile(  # noqa: A001 - the public name the design fixes
     init: InitFn | None = None,
     seed: int = 0,
     after_pass: Callable[[str, fx.GraphModule], None] | None = None,
+    comm: Comm | None = None,
 ) -> Program:
     """Compile ``model`` for ``plan``.
 
@@ -229,6 +232,11 @@ def compile(  # noqa: A001 - the public name the design fixes
     after_pass: ``after_pass(name, gm)`` sees the graph right after tracing ("trace") and
         after each pass of ``PASSES`` (``fxpar-inspect --after`` prints it there), then
         ("halo") tile 0's module of each spatial stage.
+    comm: the ranks that compile this program together, each from its own copy of the same
+        model (a collective over them): rank 0 captures the model and sends the traced graph to
+        the others (fxpar.frontend.share), instead of every rank capturing it -- most of a
+        compile, done once per job where ranks share a node's cores. None: this process
+        captures the model itself.
 
     Before it returns, every rank's messages and collectives of one step are simulated
     together (fxpar.compiler.lower): a schedule that would deadlock or cross its messages
@@ -246,7 +254,7 @@ def compile(  # noqa: A001 - the public name the design fixes
     else:
         example = torch.empty(mb_shape, device="meta",
                               dtype=next((p.dtype for p in model.parameters()), torch.float32))
-    gm = trace(model, example)  # shapes are per micro-batch
+    gm = shared_trace(model, example, comm)  # shapes are per micro-batch
     gm = run_passes(gm, plan, PASSES, after=after_pass)
     check_coverage(gm, plan)
     check_batch_ops(gm, plan)

@@ -23,8 +23,8 @@ from helpers.equivalence import (
     assert_buffers,
     assert_same,
     atol64,
-    reference_step,
 )
+from helpers.reference import Reference
 
 DEVICE = os.environ.get("FXPAR_TEST_DEVICE", "cpu")
 """Where compiled and reference models train (tests/mpi/test_gpu.py sets cuda)."""
@@ -87,25 +87,28 @@ def check(case: Case, atol: float | None = None, rtol: float = RTOL64
     else:
         y = torch.randint(0, case.classes, (n,), generator=g)
     loss_fn = case.loss or F.cross_entropy
-    program = fxpar.compile(model, case.plan, torch.empty(case.shape, dtype=torch.float64,
-                                                          device="meta"), optimizer=sgd,
-                            loss_fn=loss_fn)
-    rp = program.local(comm)
+    dev = torch.device("cpu")
     if DEVICE != "cpu":
         from fxpar.comm.device import bind
 
         dev = bind(None, DEVICE)  # GPU by the launcher's node-local rank
-        rp.to(dev)
         ref.to(dev)
         x = x.to(dev)
         y = tuple(t.to(dev) for t in y) if isinstance(y, tuple) else y.to(dev)
-    ref_opt = sgd(ref.parameters())
+    # the last rank trains the reference while rank 0 traces the model for every rank
+    reference = Reference(comm, ref)
+    reference.train(case.steps, sgd(ref.parameters()), x, y, case.plan.chunks(), loss_fn,
+                    case.reference_mode)
+    program = fxpar.compile(model, case.plan, torch.empty(case.shape, dtype=torch.float64,
+                                                          device="meta"), optimizer=sgd,
+                            loss_fn=loss_fn, comm=comm)  # rank 0 traces for every rank
+    rp = program.local(comm)
+    if DEVICE != "cpu":
+        rp.to(dev)
     ref_params = dict(ref.named_parameters())
-    chunks = case.plan.chunks()
     for step in range(case.steps):
         loss = rp.train_step(x, y)
-        with case.reference_mode():
-            ref_loss = reference_step(ref, ref_opt, x, y, chunks, loss_fn)
+        ref_loss = reference.step(step)
         tol = (atol64(step) if atol is None else atol, rtol)
         assert_same(f"step {step} loss", loss, ref_loss, *tol)
         for name, p in rp.named_parameters():  # both GEMS copies, where a rank holds two

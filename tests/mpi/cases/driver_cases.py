@@ -85,7 +85,7 @@ def case_image_folder_spatial_plan_equals_one_process_and_reads_only_windows():
     ref = copy.deepcopy(model)
     shape = (4, 3, SIZE, SIZE)
     rp = fxpar.compile(model, plan, torch.empty(shape, dtype=torch.float64, device="meta"),
-                       optimizer=sgd).local(comm)
+                       optimizer=sgd, comm=comm).local(comm)
     data = ImageFolder.scan(root, SIZE, 3)
     data.reads = []
     # NaN outside the window: any read there would poison the loss and every gradient

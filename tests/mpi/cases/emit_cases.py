@@ -31,13 +31,13 @@ def _check_saved_equals_memory(plan: fxpar.Plan, shape, steps: int = 2) -> None:
     model = tvm.resnet18(num_classes=5).double()
     twin = copy.deepcopy(model)
     example = torch.empty(shape, dtype=torch.float64, device="meta")
-    saved = fxpar.compile(model, plan, example, optimizer=sgd)
+    saved = fxpar.compile(model, plan, example, optimizer=sgd, comm=comm)
     folder = _shared_dir(comm)
     if comm.rank == 0:
         saved.save(folder)
     comm.barrier()
     loaded = load(folder, comm, optimizer=sgd)
-    memory = fxpar.compile(twin, plan, example, optimizer=sgd).local(comm)
+    memory = fxpar.compile(twin, plan, example, optimizer=sgd, comm=comm).local(comm)
     assert loaded.actions == memory.actions
     g = torch.Generator().manual_seed(1)
     x = torch.randn(shape, dtype=torch.float64, generator=g)

@@ -176,7 +176,7 @@ def _compiled_eval(plan: fxpar.Plan, build: Any, x: torch.Tensor, y: torch.Tenso
     ref = copy.deepcopy(model)
     shape = (batch, 3, SIZE, SIZE)
     rp = fxpar.compile(model, plan, torch.empty(shape, dtype=torch.float64, device="meta"),
-                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05)).local(comm)
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), comm=comm).local(comm)
     g = torch.Generator().manual_seed(7)
     xt = torch.randn(shape, dtype=torch.float64, generator=g)
     rp.train_step(xt, y[:batch])

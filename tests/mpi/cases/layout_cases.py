@@ -68,7 +68,8 @@ def case_layout_reaches_the_tiles() -> None:
     torch.manual_seed(0)
     model = _unet().double()
     program = fxpar.compile(model, P(spatial_parts=2, channels_last=True),
-                            torch.empty(2, 3, 32, 32, dtype=torch.float64, device="meta"))
+                            torch.empty(2, 3, 32, 32, dtype=torch.float64, device="meta"),
+                            comm=comm)
     seen: list[bool] = []
     with program.local(comm) as rp:
         for m in rp.stages.values():

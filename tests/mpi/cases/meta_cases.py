@@ -58,7 +58,7 @@ def _train_like_one_process(build, plan, shape, seed=0, init=None, check_memory=
     reference = copy.deepcopy(model)  # still meta: materialised whole below
     whole = _nbytes(model.parameters())
     program = fxpar.compile(model, plan, torch.empty(shape, dtype=torch.float64, device="meta"),
-                            optimizer=sgd, seed=seed, init=init)
+                            optimizer=sgd, seed=seed, init=init, comm=comm)
     rp = program.local(comm)
 
     mine = {r.stage for r in program.rank_map.roles_of(comm.rank)}

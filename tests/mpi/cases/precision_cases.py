@@ -149,7 +149,8 @@ def check_mixed(build: Callable[[], nn.Module], shape: tuple[int, ...], plan: fx
     x = torch.randn(shape, generator=g)
     y = torch.randint(0, classes, (shape[0],), generator=g)
     xs = [x * f for f in PERTURB]
-    program = fxpar.compile(model, plan, torch.empty(shape, device="meta"), optimizer=sgd)
+    program = fxpar.compile(model, plan, torch.empty(shape, device="meta"), optimizer=sgd,
+                            comm=comm)
     rp = program.local(comm)
     opts = [sgd(r.parameters()) for r in refs]
     dtype = DTYPES[precision]
@@ -273,7 +274,7 @@ def case_fp16_inf_on_one_rank_skips_the_step_everywhere() -> None:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(SHAPE, generator=g), torch.randint(0, 5, (SHAPE[0],), generator=g)
     rp = fxpar.compile(model, plan, torch.empty(SHAPE, device="meta"),
-                       optimizer=sgd).local(comm)
+                       optimizer=sgd, comm=comm).local(comm)
     assert rp.loss_scale is not None
     rp.loss_scale.growth_interval = 2  # also see it grow back
     poisoned = next(iter(rp.parameters()))
@@ -316,7 +317,7 @@ def case_fp16_checkpoint_keeps_the_loss_scale() -> None:
     def job() -> fxpar.RankProgram:
         torch.manual_seed(0)
         rp = fxpar.compile(Net(), plan, torch.empty(SHAPE, device="meta"),
-                           optimizer=sgd).local(comm)
+                           optimizer=sgd, comm=comm).local(comm)
         assert rp.loss_scale is not None
         rp.loss_scale.growth_interval = 1
         return rp

@@ -20,6 +20,7 @@ from helpers.transparency import Case, check, sub_comm
 import fxpar
 from fxpar import models
 from fxpar.comm.mpi import Comm
+from fxpar.comm.world import world
 from fxpar.runtime import loop
 
 P = fxpar.Plan
@@ -104,7 +105,7 @@ def case_amoeba_sp2_pp2_auto_recomputes_the_stage_over_budget() -> None:
     plan = P(stages=2, spatial_parts=2, microbatches=2, schedule="1f1b")
     shape = (4, 3, 48, 48)
     meta = torch.empty(shape, dtype=torch.float64, device="meta")
-    program = fxpar.compile(_amoeba().double(), plan, meta)
+    program = fxpar.compile(_amoeba().double(), plan, meta, comm=world())  # one trace
     totals = {m.rank: m.total for m in estimate(program)}
     budget = (min(totals.values()) + max(totals.values())) // 2
     over = {program.rank_map.roles_of(r)[0].stage for r, t in totals.items() if t > budget}
@@ -184,7 +185,7 @@ def case_recompute_saves_nothing_at_f_and_exchanges_the_same() -> None:
         program = fxpar.compile(copy.deepcopy(model), fxpar.Plan(**{**plan.to_json(),
                                                                    **fields}),
                                 torch.empty(x.shape, dtype=x.dtype, device="meta"),
-                                loss_fn=F.cross_entropy)
+                                loss_fn=F.cross_entropy, comm=comm)
         with program.local(comm) as rp, _counted() as calls, _saved_in_forward() as saved:
             loss = rp.train_step(x, y)
             pieces = [len(r.segments) for r in rp.runtime._segmented.values()]

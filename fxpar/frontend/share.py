@@ -1,0 +1,210 @@
+"""One capture for the ranks of a job: the first rank traces the model, the others receive it.
+
+Every rank of a job compiles the same program from the same model, and capturing it
+(``torch.export`` plus the analysis on fake tensors, :func:`fxpar.frontend.trace.trace`) is
+most of a compile: 85 % of ResNet-50's. When ranks outnumber cores (several ranks per GPU node
+sharing its CPUs, or the test suite's oversubscribed ranks) that work is done once per rank for
+nothing. ``fxpar.compile(..., comm=comm)`` traces on ``comm``'s rank 0 only and sends the traced
+graph to the others as data (:func:`pack`): its nodes, the metadata the compiler reads
+(shapes, costs, module paths and source lines for messages), fxpar's mode-op modules, and the
+names under which each rank's own model holds the tensors; a tensor the model does not hold
+(a constant export lifted out of the forward) travels by value. Every rank then runs the same
+passes on the same graph, over its own model's parameters.
+
+A failure to trace on rank 0 is raised on every rank (the same error type and message), so no
+rank waits for a graph that never comes.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fxpar.comm.protocol import Comm
+from fxpar.frontend.capture import TraceError
+from fxpar.frontend.trace import trace
+
+KEPT_META = ("nn_module_stack", "stack_trace")
+"""The torch.export metadata the compiler reads after tracing (messages name the module and
+source line); fxpar's own keys (``fxpar.*``) are kept too. Fake values (``val``) stay behind:
+nothing after the analysis reads them."""
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A node in a packed node's arguments, by name."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class _Op:
+    """An ATen (or other ``torch.ops``) overload, by its qualified name: ``aten::conv2d``
+    with overload ``default``."""
+
+    qualified: str
+    overload: str
+
+    def resolve(self) -> torch._ops.OpOverload:
+        ns, _, name = self.qualified.partition("::")
+        return getattr(getattr(getattr(torch.ops, ns), name), self.overload)
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """A tensor of the traced module: where it hangs, what it is registered as, and either
+    the model's name for it (each rank binds its own model's tensor) or its value."""
+
+    path: str
+    kind: str  # "parameter", "buffer" or "attribute"
+    persistent: bool
+    model_name: str | None
+    value: torch.Tensor | None
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch._ops.OpOverload):
+            return _Op, (obj._schema.name, obj._overloadname)
+        return NotImplemented
+
+
+def _pickle(obj: object) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def _resolve_ops(x: Any) -> Any:
+    return fx.node.map_aggregate(x, lambda a: a.resolve() if isinstance(a, _Op) else a)
+
+
+def pack(gm: fx.GraphModule, model: nn.Module) -> bytes:
+    """The traced ``gm`` of ``model`` as bytes :func:`unpack` rebuilds over an equal model."""
+    names: dict[int, str] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), name)
+    tensors: list[_Tensor] = []
+    modules: dict[str, Any] = {}
+    training: dict[str, bool] = {}
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    for path, mod in gm.named_modules(remove_duplicate=False):
+        training[path] = mod.training
+        if path in called:
+            if any(True for _ in mod.parameters()) or any(True for _ in mod.buffers()):
+                raise TraceError(f"cannot send the traced module {path!r} "
+                                 f"({type(mod).__name__}): it holds tensors")
+            modules[path] = mod
+            continue
+        prefix = f"{path}." if path else ""
+        entries = [*(("parameter", k, v) for k, v in mod._parameters.items()),
+                   *(("buffer", k, v) for k, v in mod._buffers.items()),
+                   *(("attribute", k, v) for k, v in vars(mod).items()
+                     if isinstance(v, torch.Tensor))]
+        for kind, key, t in entries:
+            if t is None:
+                continue
+            own = names.get(id(t))
+            tensors.append(_Tensor(prefix + key, kind,
+                                   key not in mod._non_persistent_buffers_set, own,
+                                   None if own is not None else t.detach()))
+    nodes = []
+    for n in gm.graph.nodes:
+        refs = fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name))
+        kept = {k: v for k, v in n.meta.items() if k in KEPT_META or k.startswith("fxpar.")}
+        nodes.append((n.name, n.op, n.target, *refs, kept))
+    return _pickle({"class": type(gm).__name__, "nodes": nodes, "tensors": tensors,
+                    "modules": modules, "training": training, "meta": gm.meta})
+
+
+def unpack(data: bytes, model: nn.Module) -> fx.GraphModule:
+    """The traced graph :func:`pack` sent, over ``model``'s own parameters and buffers."""
+    got = pickle.loads(data)
+    root = nn.Module()
+    for path, mod in got["modules"].items():
+        _place(root, path, mod)
+    for t in got["tensors"]:
+        value = t.value if t.model_name is None else _model_tensor(model, t.model_name)
+        owner, _, key = t.path.rpartition(".")
+        parent = _place(root, owner, None)
+        if t.kind == "parameter":
+            parent.register_parameter(key, value)
+        elif t.kind == "buffer":
+            parent.register_buffer(key, value, persistent=t.persistent)
+        else:
+            setattr(parent, key, value)
+    graph = fx.Graph()
+    made: dict[str, fx.Node] = {}
+    for name, op, target, args, kwargs, meta in got["nodes"]:
+        args, kwargs = fx.node.map_aggregate(
+            (args, kwargs), lambda a: made[a.name] if isinstance(a, _Ref) else a)
+        target = target.resolve() if isinstance(target, _Op) else target
+        node = graph.create_node(op, target, _resolve_ops(args), _resolve_ops(kwargs), name)
+        if node.name != name:
+            raise TraceError(f"the received graph names a node {name!r} twice")
+        node.meta.update(meta)
+        made[name] = node
+    gm = fx.GraphModule(root, graph, got["class"])
+    gm.meta.update(got["meta"])
+    for path, mod in gm.named_modules(remove_duplicate=False):
+        mod.training = got["training"].get(path, mod.training)
+    return gm
+
+
+def _model_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    owner, _, key = name.rpartition(".")
+    try:
+        mod = model.get_submodule(owner)
+        return getattr(mod, key)
+    except AttributeError:
+        raise TraceError(f"this rank's model has no tensor {name!r}, which rank 0's model "
+                         f"has: every rank must build the same model") from None
+
+
+def _place(root: nn.Module, path: str, mod: nn.Module | None) -> nn.Module:
+    """The submodule at ``path`` under ``root``, made (``mod``, or empty modules on the way)
+    where missing."""
+    here = root
+    parts = path.split(".") if path else []
+    for i, part in enumerate(parts):
+        child = here._modules.get(part)
+        if child is None:
+            child = mod if i == len(parts) - 1 and mod is not None else nn.Module()
+            here.add_module(part, child)
+        here = child
+    return here
+
+
+def shared_trace(model: nn.Module, example: torch.Tensor | Sequence[int],
+                 comm: Comm | None) -> fx.GraphModule:
+    """:func:`trace` on ``comm``'s rank 0, received by its other ranks (each over its own
+    ``model``); every rank traces for itself when ``comm`` is None or has one rank."""
+    if comm is None or comm.size == 1:
+        return trace(model, example)
+    if comm.rank == 0:
+        try:
+            sent: tuple[str, object] = ("graph", pack(trace(model, example), model))
+        except Exception as e:  # noqa: BLE001 - every rank raises it, not only this one
+            comm.bcast_object(("error", (type(e), str(e))), root=0)
+            raise
+        comm.bcast_object(sent, root=0)
+    else:
+        sent = comm.bcast_object(None, root=0)
+    kind, value = sent
+    if kind == "error":
+        error_type, message = value  # type: ignore[misc]
+        message = f"{message}\n(raised on rank 0, which traced the model for every rank)"
+        try:
+            error = error_type(message)
+        except Exception:  # noqa: BLE001 - a type whose constructor takes other arguments
+            error = TraceError(message)
+        raise error
+    # rank 0 too builds its graph from the bytes: every rank runs the passes on the same graph
+    return unpack(value, model)  # type: ignore[arg-type]
