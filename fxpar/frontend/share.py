@@ -130,16 +130,7 @@ def unpack(data: bytes, model: nn.Module) -> fx.GraphModule:
     root = nn.Module()
     for path, mod in got["modules"].items():
         _place(root, path, mod)
-    for t in got["tensors"]:
-        value = t.value if t.model_name is None else _model_tensor(model, t.model_name)
-        owner, _, key = t.path.rpartition(".")
-        parent = _place(root, owner, None)
-        if t.kind == "parameter":
-            parent.register_parameter(key, value)
-        elif t.kind == "buffer":
-            parent.register_buffer(key, value, persistent=t.persistent)
-        else:
-            setattr(parent, key, value)
+    _register(root, got["tensors"], model)
     graph = fx.Graph()
     made: dict[str, fx.Node] = {}
     for name, op, target, args, kwargs, meta in got["nodes"]:
@@ -152,10 +143,37 @@ def unpack(data: bytes, model: nn.Module) -> fx.GraphModule:
         node.meta.update(meta)
         made[name] = node
     gm = fx.GraphModule(root, graph, got["class"])
+    # GraphModule copies only what a node reads: the tensors of modules whose forward never
+    # runs (unused layers), which the traced module keeps for the state_dict, go on again
+    _register(gm, [t for t in got["tensors"] if not _holds(gm, t.path)], model)
     gm.meta.update(got["meta"])
     for path, mod in gm.named_modules(remove_duplicate=False):
         mod.training = got["training"].get(path, mod.training)
     return gm
+
+
+def _register(root: nn.Module, tensors: list[_Tensor], model: nn.Module) -> None:
+    """Hang each of ``tensors`` under ``root`` as it was registered: ``model``'s own tensor
+    where it has one, else the value that travelled."""
+    for t in tensors:
+        value = t.value if t.model_name is None else _model_tensor(model, t.model_name)
+        owner, _, key = t.path.rpartition(".")
+        parent = _place(root, owner, None)
+        if t.kind == "parameter":
+            parent.register_parameter(key, value)
+        elif t.kind == "buffer":
+            parent.register_buffer(key, value, persistent=t.persistent)
+        else:
+            setattr(parent, key, value)
+
+
+def _holds(root: nn.Module, path: str) -> bool:
+    owner, _, key = path.rpartition(".")
+    try:
+        mod = root.get_submodule(owner)
+    except AttributeError:
+        return False
+    return key in mod._parameters or key in mod._buffers or key in vars(mod)
 
 
 def _model_tensor(model: nn.Module, name: str) -> torch.Tensor:

@@ -53,7 +53,7 @@ def _monai() -> nn.Module:
 
 class WithConstant(nn.Module):
     """A tensor made in forward (export lifts it to a constant the model does not hold), a
-    non-persistent buffer, a tied weight, dropout and a frozen BatchNorm."""
+    non-persistent buffer, a tied weight, an unused layer, dropout and a frozen BatchNorm."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -62,6 +62,8 @@ class WithConstant(nn.Module):
         self.drop = nn.Dropout(0.0)
         self.head = nn.Conv2d(4, 4, 1)
         self.tied = self.head
+        self.spare = nn.Linear(2, 2)  # never called: its tensors are in no node
+        self.spare_bn = nn.BatchNorm2d(2)  # nor this one (num_batches_tracked went missing)
         self.register_buffer("scale", torch.tensor([0.5, 1.0, 1.5, 2.0]), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
