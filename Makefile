@@ -21,16 +21,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check fxpar passes models tools tests examples
 	$(PY) tools/check_imports.py
 
-# tests/unit (one process, one core) runs beside tests/mpi, whose oversubscribed ranks leave
-# about a third of the cores idle between and inside launches; its report follows the MPI one
+# tests/streams.py: tests/unit beside two streams of tests/mpi (the files of 5-8 ranks, the
+# rest), then the files bound by wall time alone; each stream's report as it ends
 test: $(STAMP) lint
-	@rm -f .test-unit.log .test-unit.rc
-	@( $(PY) -m pytest -q -p no:cacheprovider --durations=5 tests/unit > .test-unit.log 2>&1; \
-	   echo $$? > .test-unit.rc ) & \
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider --durations=15 \
-	    tests/mpi; mpi=$$?; wait; \
-	echo "== tests/unit (ran beside tests/mpi) =="; cat .test-unit.log; \
-	test "$$mpi" = 0 && test "$$(cat .test-unit.rc)" = 0
+	$(PY) tests/streams.py
 
 # the edit loop: the one-process tests (tests/unit) without the slow ones, no mpiexec
 test-quick: $(STAMP)
