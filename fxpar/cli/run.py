@@ -312,13 +312,13 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
     example = torch.empty(shape, dtype=dtype, device="meta")
     loss_fn = make_loss(a.loss, a.ignore_index, a.class_weights, a.num_classes)
     try:
-        program = fx_compile(model, plan, example, loss_fn=loss_fn, comm=_job_comm(comm),
+        program = fx_compile(model, plan, example, loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
     except PlanError:
         if a.plan != "auto" or plan.balance is None:
             raise
         plan = dataclasses.replace(plan, balance=None)  # the compiler's own cuts
-        program = fx_compile(model, plan, example, loss_fn=loss_fn, comm=_job_comm(comm),
+        program = fx_compile(model, plan, example, loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
     out = program.output_shape
     if isinstance(source, Synthetic) and out is not None and len(out) == len(shape):
@@ -339,19 +339,13 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
     return Job(rp, source, rp.input_window(), shape, dtype, took)
 
 
-def _job_comm(comm: Comm | None) -> Comm | None:
-    """The ranks of this job: ``comm``, else the MPI world when a launcher started us."""
-    if comm is None and failfast.launched():
-        from fxpar.comm.world import world as mpi_world
-
-        return mpi_world()
-    return comm
-
-
 def _auto(a: argparse.Namespace, model: torch.nn.Module, shape: tuple[int, ...],
           comm: Comm | None, given: Plan) -> Plan:
     """``--plan auto``: every rank runs the same search (the same answer); rank 0 prints it."""
-    comm = _job_comm(comm)
+    if comm is None and failfast.launched():
+        from fxpar.comm.world import world as mpi_world
+
+        comm = mpi_world()
     size, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
     plan, found = choose(model, shape, size, a, given)
     if rank == 0:

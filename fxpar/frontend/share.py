@@ -206,9 +206,10 @@ def shared_trace(model: nn.Module, example: torch.Tensor | Sequence[int],
     ``model``); every rank traces for itself when ``comm`` is None or has one rank."""
     if comm is None or comm.size == 1:
         return trace(model, example)
+    mine = _signature(model, example)
     if comm.rank == 0:
         try:
-            sent: tuple[str, object] = ("graph", pack(trace(model, example), model))
+            sent: tuple[str, object] = ("graph", (mine, pack(trace(model, example), model)))
         except Exception as e:  # noqa: BLE001 - every rank raises it, not only this one
             comm.bcast_object(("error", (type(e), str(e))), root=0)
             raise
@@ -224,5 +225,19 @@ def shared_trace(model: nn.Module, example: torch.Tensor | Sequence[int],
         except Exception:  # noqa: BLE001 - a type whose constructor takes other arguments
             error = TraceError(message)
         raise error
+    theirs, data = value  # type: ignore[misc]
+    if theirs != mine:
+        raise TraceError(f"rank {comm.rank} compiles for input {mine} but rank 0, which traced "
+                         f"the model for every rank, for {theirs}: every rank must compile the "
+                         f"same model for the same example input")
     # rank 0 too builds its graph from the bytes: every rank runs the passes on the same graph
-    return unpack(value, model)  # type: ignore[arg-type]
+    return unpack(data, model)
+
+
+def _signature(model: nn.Module, example: torch.Tensor | Sequence[int]) -> tuple[object, ...]:
+    """What a traced graph depends on besides the model's code: the input's shape and dtype
+    (a shape alone traces in the parameters' dtype), and the model's class."""
+    dtype = example.dtype if isinstance(example, torch.Tensor) else \
+        next((p.dtype for p in model.parameters()), torch.float32)
+    shape = tuple(example.shape) if isinstance(example, torch.Tensor) else tuple(example)
+    return type(model).__qualname__, tuple(int(d) for d in shape), str(dtype)

@@ -176,3 +176,11 @@ def test_a_rank_whose_model_differs_is_told():
     with pytest.raises(TraceError, match="every rank must build the same model"):
         shared_trace(nn.Sequential(nn.Identity(), nn.Conv2d(3, 4, 3)), (1, 3, 8, 8),
                      FakeComm(1, sent))
+
+
+def test_a_rank_compiling_for_another_input_is_told():
+    sent: list = []
+    shared_trace(nn.Sequential(nn.Conv2d(3, 4, 3)), (2, 3, 8, 8), FakeComm(0, sent))
+    with pytest.raises(TraceError, match=r"rank 1 compiles for input .*\(1, 3, 8, 8\).* but "
+                                         r"rank 0.*\(2, 3, 8, 8\)"):
+        shared_trace(nn.Sequential(nn.Conv2d(3, 4, 3)), (1, 3, 8, 8), FakeComm(1, sent))
