@@ -32,7 +32,7 @@ from fxpar.core.stages import StageGraph
 from fxpar.core.stages import links_of as links_of  # re-exported: inspect, draw, tools
 from fxpar.frontend.capture import where
 from fxpar.frontend.rules.perpixel import mixes_samples
-from fxpar.frontend.share import shared_trace
+from fxpar.frontend.share import CaptureCache, shared_trace
 from fxpar.frontend.trace import check_model
 from fxpar.passes.halo import tile_stage
 from fxpar.passes.precision import precision
@@ -208,6 +208,7 @@ def compile(  # noqa: A001 - the public name the design fixes
     seed: int = 0,
     after_pass: Callable[[str, fx.GraphModule], None] | None = None,
     comm: Comm | None = None,
+    captures: CaptureCache | None = None,
 ) -> Program:
     """Compile ``model`` for ``plan``.
 
@@ -237,6 +238,9 @@ def compile(  # noqa: A001 - the public name the design fixes
         the others (fxpar.frontend.share), instead of every rank capturing it -- most of a
         compile, done once per job where ranks share a node's cores. None: this process
         captures the model itself.
+    captures: a :class:`fxpar.CaptureCache`: a model of the same structure as one compiled
+        before with it, for an input of the same shape and dtype, is not captured again (rank 0
+        looks it up, and sends it as above).
 
     Before it returns, every rank's messages and collectives of one step are simulated
     together (fxpar.compiler.lower): a schedule that would deadlock or cross its messages
@@ -254,7 +258,7 @@ def compile(  # noqa: A001 - the public name the design fixes
     else:
         example = torch.empty(mb_shape, device="meta",
                               dtype=next((p.dtype for p in model.parameters()), torch.float32))
-    gm = shared_trace(model, example, comm)  # shapes are per micro-batch
+    gm = shared_trace(model, example, comm, captures)  # shapes are per micro-batch
     gm = run_passes(gm, plan, PASSES, after=after_pass)
     check_coverage(gm, plan)
     check_batch_ops(gm, plan)

@@ -37,15 +37,18 @@ class LossWarning(UserWarning):
 
 def tiled_loss(loss_fn: Callable[..., torch.Tensor], grid: Grid, stage: int, strict: bool,
                output: TensorSpec, targets: Sequence[TensorSpec],
-               warn: bool = True) -> LossTiles:
+               warn: bool = True, captured: fx.GraphModule | None = None) -> LossTiles:
     """How each tile computes ``loss_fn(output, *targets)`` (specs: one micro-batch, global
-    shapes) on the tiles of spatial stage ``stage``'s output."""
+    shapes) on the tiles of spatial stage ``stage``'s output.
+
+    captured: ``capture_loss(loss_fn, output, targets)`` made before, to analyse one loss on
+    several grids without capturing it again (it is not changed here)."""
     extent = tuple(output[0][2:])
     layouts = [image_layout(s, extent) for s, _ in (output, *targets)]
     sliced = tuple(lay is not None for lay in layouts[1:])
     calls: tuple[tuple[str, str], ...] = ()
     try:
-        gm = capture_loss(loss_fn, output, targets)
+        gm = captured if captured is not None else capture_loss(loss_fn, output, targets)
         calls = gm.meta.get(CALLS_KEY, ())
         prop = propagate(gm, extent, grid.parts, layouts)
     except (LossCaptureError, NoRule) as e:

@@ -81,10 +81,6 @@ def _pickle(obj: object) -> bytes:
     return buf.getvalue()
 
 
-def _resolve_ops(x: Any) -> Any:
-    return fx.node.map_aggregate(x, lambda a: a.resolve() if isinstance(a, _Op) else a)
-
-
 def pack(gm: fx.GraphModule, model: nn.Module) -> bytes:
     """The traced ``gm`` of ``model`` as bytes :func:`unpack` rebuilds over an equal model."""
     names: dict[int, str] = {}
@@ -135,9 +131,10 @@ def unpack(data: bytes, model: nn.Module) -> fx.GraphModule:
     made: dict[str, fx.Node] = {}
     for name, op, target, args, kwargs, meta in got["nodes"]:
         args, kwargs = fx.node.map_aggregate(
-            (args, kwargs), lambda a: made[a.name] if isinstance(a, _Ref) else a)
+            (args, kwargs), lambda a: made[a.name] if isinstance(a, _Ref)
+            else a.resolve() if isinstance(a, _Op) else a)
         target = target.resolve() if isinstance(target, _Op) else target
-        node = graph.create_node(op, target, _resolve_ops(args), _resolve_ops(kwargs), name)
+        node = graph.create_node(op, target, args, kwargs, name)
         if node.name != name:
             raise TraceError(f"the received graph names a node {name!r} twice")
         node.meta.update(meta)
@@ -200,16 +197,82 @@ def _place(root: nn.Module, path: str, mod: nn.Module | None) -> nn.Module:
     return here
 
 
+class CaptureCache:
+    """Captures kept for later models of the same structure, in this process.
+
+    ``fxpar.compile(model, plan, x, captures=cache)`` looks ``model`` up by its structure (see
+    :func:`structure`) and the example input's shape and dtype: the first such model is traced,
+    each later one gets the same graph rebuilt over its own parameters (:func:`unpack`), as
+    ranks of a job do. For compiling one model under several plans, or many models of a few
+    kinds (a test suite). The structure is what the module tree shows -- classes, training
+    modes, tensors, and every plain attribute -- not the ``forward`` code's free variables: a
+    model whose graph depends on a global setting must not share a cache across that setting."""
+
+    def __init__(self) -> None:
+        self._packed: dict[tuple[object, ...], bytes] = {}
+        self.hits = 0
+        """How many captures were taken from the cache instead of traced."""
+
+    def packed(self, model: nn.Module, example: torch.Tensor | Sequence[int]) -> bytes:
+        """:func:`pack` of ``model``'s trace at ``example``: kept, or traced now and kept."""
+        key = (_signature(model, example), structure(model))
+        if key in self._packed:
+            self.hits += 1
+        else:
+            self._packed[key] = pack(trace(model, example), model)
+        return self._packed[key]
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _setting(value: object) -> object:
+    """A module attribute as a key: plain values (and tuples, lists, dicts of them) as they
+    are, anything else by its type and repr."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, tuple | list):
+        return (type(value).__name__, *map(_setting, value))
+    if isinstance(value, dict):
+        return ("dict", *((repr(k), _setting(v)) for k, v in value.items()))
+    return (type(value).__module__, type(value).__qualname__, repr(value))
+
+
+def structure(model: nn.Module) -> tuple[object, ...]:
+    """What a trace of ``model`` depends on besides the example input and the classes' code:
+    each module's path, class, training mode, hooks and plain attributes (settings such as a
+    stride, an ``inplace`` flag or a config object's repr); each tensor's path, shape, dtype,
+    device and ``requires_grad``; which paths share one tensor."""
+    first: dict[int, str] = {}
+    tensors = []
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:
+        tensors.append((name, tuple(t.shape), str(t.dtype), t.device.type, t.requires_grad,
+                        first.setdefault(id(t), name)))
+    modules = []
+    for path, mod in model.named_modules(remove_duplicate=False):
+        attrs = tuple((k, _setting(v)) for k, v in sorted(vars(mod).items())
+                      if k not in ("_parameters", "_buffers", "_modules")
+                      and not isinstance(v, torch.Tensor))
+        modules.append((path, type(mod).__module__, type(mod).__qualname__, attrs))
+    return tuple(modules), tuple(tensors)
+
+
 def shared_trace(model: nn.Module, example: torch.Tensor | Sequence[int],
-                 comm: Comm | None) -> fx.GraphModule:
+                 comm: Comm | None, captures: CaptureCache | None = None) -> fx.GraphModule:
     """:func:`trace` on ``comm``'s rank 0, received by its other ranks (each over its own
-    ``model``); every rank traces for itself when ``comm`` is None or has one rank."""
+    ``model``); every rank traces for itself when ``comm`` is None or has one rank.
+    ``captures``: where rank 0 (or the one process) looks the capture up first."""
     if comm is None or comm.size == 1:
-        return trace(model, example)
+        if captures is None:
+            return trace(model, example)
+        return unpack(captures.packed(model, example), model)
     mine = _signature(model, example)
     if comm.rank == 0:
         try:
-            sent: tuple[str, object] = ("graph", (mine, pack(trace(model, example), model)))
+            data = captures.packed(model, example) if captures is not None else \
+                pack(trace(model, example), model)
+            sent: tuple[str, object] = ("graph", (mine, data))
         except Exception as e:  # noqa: BLE001 - every rank raises it, not only this one
             comm.bcast_object(("error", (type(e), str(e))), root=0)
             raise

@@ -64,8 +64,13 @@ def _load(ref: nn.Module, snap: Snapshot) -> float:
 
 
 def _empty_like(snap_of: nn.Module) -> dict[torch.dtype, torch.Tensor]:
-    flat, _ = _snapshot(snap_of, 0.0)
-    return {dt: torch.empty_like(t) for dt, t in flat.items()}
+    """Buffers to receive a snapshot of ``snap_of`` into: one per dtype, of the snapshot's
+    size (the loss, then each parameter twice, as itself and as its gradient, then buffers)."""
+    sizes: dict[torch.dtype, int] = {torch.float64: 1}
+    for t in [*snap_of.parameters(), *snap_of.parameters(), *snap_of.buffers()]:
+        sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+    device = next(snap_of.parameters()).device
+    return {dt: torch.empty(n, dtype=dt, device=device) for dt, n in sizes.items()}
 
 
 class Reference:

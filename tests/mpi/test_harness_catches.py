@@ -52,6 +52,15 @@ def test_nan_and_inf_fail_and_are_named(bad, where):
     assert_same("z", same.clone(), same)  # NaN where want has NaN, the same infinities
 
 
+@pytest.mark.parametrize("got", [5.0, -float("inf"), float("nan")])
+def test_an_infinite_want_is_equal_only_to_itself(got):
+    """|got - inf| <= atol + rtol * inf holds for any finite ``got``: an infinite ``want`` must
+    not be an allowance (it was: a finite or opposite infinite ``got`` passed there)."""
+    want = torch.tensor([1.0, float("inf")], dtype=torch.float64)
+    with pytest.raises(AssertionError, match=r"1 of 2 elements differ; worst at index \[1\]"):
+        assert_same("w", torch.tensor([1.0, got], dtype=torch.float64), want)
+
+
 def test_shape_none_and_scalar_losses():
     with pytest.raises(AssertionError, match=r"shape \(2,\) != \(1, 2\)"):
         assert_same("s", torch.zeros(2), torch.zeros(1, 2))

@@ -92,8 +92,10 @@ def test_calibration_fits_known_link_costs():
 
 def test_compute_calibration_gives_positive_rates():
     rates = compute(min_run_time=0.01, quick=True)
-    assert rates["conv_flops"] > 1e8 and rates["matmul_flops"] > 1e8
-    assert rates["mem_bytes"] > 1e7 and rates["op_s"] > 0
+    # wide bounds: a 10 ms timing on a loaded machine can lose most of its core (a run beside
+    # the MPI streams measured 2.4e7 matmul FLOP/s); a rate in the wrong unit is still caught
+    assert 1e6 < rates["conv_flops"] < 1e16 and 1e6 < rates["matmul_flops"] < 1e16
+    assert 1e6 < rates["mem_bytes"] < 1e14 and rates["op_s"] > 0
     assert len(rates["convs"]) == 3
 
 

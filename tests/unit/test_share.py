@@ -184,3 +184,42 @@ def test_a_rank_compiling_for_another_input_is_told():
     with pytest.raises(TraceError, match=r"rank 1 compiles for input .*\(1, 3, 8, 8\).* but "
                                          r"rank 0.*\(2, 3, 8, 8\)"):
         shared_trace(nn.Sequential(nn.Conv2d(3, 4, 3)), (1, 3, 8, 8), FakeComm(1, sent))
+
+
+class Gate(nn.Module):
+    """A setting the module tree shows only as a plain attribute: it changes the graph."""
+
+    def __init__(self, skip: bool) -> None:
+        super().__init__()
+        self.skip = skip
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        return y + x if self.skip else y
+
+
+def test_a_capture_cache_traces_each_structure_and_input_once():
+    cache = fxpar.CaptureCache()
+    shape = (2, 3, 32, 32)
+    first, second = _pair(lambda: tvm.resnet18(num_classes=5))
+    a = fxpar.compile(first, fxpar.Plan(stages=2), shape, captures=cache)
+    plan = fxpar.Plan(stages=2, spatial_parts=2)
+    b = fxpar.compile(second, plan, shape, captures=cache)
+    assert cache.hits == 1
+    alone = fxpar.compile(second, plan, shape)
+    assert [m.code for m in b.graph.modules] == [m.code for m in alone.graph.modules]
+    assert b.spatial.tile(0, 1).code == alone.spatial.tile(0, 1).code
+    # the hit is built over the second model's own tensors: training it trains that model
+    mine = {id(t) for t in second.parameters()}
+    assert all(id(p) in mine for m in b.graph.modules for p in m.parameters())
+    assert not any(id(p) in mine for m in a.graph.modules for p in m.parameters())
+    # another input shape, another tensor shape, another plain setting: each traced anew
+    fxpar.compile(tvm.resnet18(num_classes=5).double(), None, (2, 3, 48, 48), captures=cache)
+    fxpar.compile(tvm.resnet18(num_classes=7).double(), None, shape, captures=cache)
+    plain, skip = Gate(False).double(), Gate(True).double()
+    got = [fxpar.compile(m, None, (1, 3, 8, 8), captures=cache) for m in (plain, skip)]
+    assert cache.hits == 1
+    x = torch.randn(1, 3, 8, 8, dtype=torch.float64)
+    out = got[1].graph.modules[0](x)  # a stage returns a tuple
+    assert torch.equal(out[0], skip(x)) and not torch.equal(got[0].graph.modules[0](x)[0], skip(x))
