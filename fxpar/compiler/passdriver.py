@@ -59,7 +59,8 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[tuple[str, Pass]
         try:
             gm = fn(gm, plan)
             gm.graph.lint()
-            gm.recompile()
+            if after is not None:  # a dump reads the code; passes read only the graph
+                gm.recompile()
         except (PlanError, TraceError):
             raise
         except Exception as e:
@@ -71,6 +72,8 @@ def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[tuple[str, Pass]
         done.append(name)
         if after is not None:
             after(name, gm)
+    if after is None and done:
+        gm.recompile()  # the code once, after the last pass
     return gm
 
 

@@ -1,9 +1,16 @@
-"""The transparency suites' shared launch: every ``case_`` function of a file in tests/cases,
-run in one ``mpiexec`` (tests/mpi/test_pipeline.py, test_spatial.py, test_gems_dp.py)."""
+"""The transparency suites' shared launch: the ``case_`` functions of the files in
+tests/mpi/cases, run under ``mpiexec``.
+
+A test file declares its cases with :class:`Batch` at import; its module fixture asks for their
+results. The first file to ask launches the cases of every file of this pytest process that
+runs on as many ranks (those pytest selected, tests/mpi/conftest.py): one launch per rank count
+instead of one per file, so each rank imports torch and the model libraries once. Each launch's
+time limit is the sum of its files' limits."""
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fxpar.testing import CaseResult, run_cases
@@ -38,3 +45,42 @@ def check(results: dict[str, CaseResult], case: str) -> None:
     """One case's verdict, and its time on rank 0 (shown with ``pytest -s``)."""
     results[case].check()
     print(f"{case.split('::')[1]}: {results[case].seconds:.1f} s on rank 0")
+
+
+@dataclass(eq=False)
+class Batch:
+    """The cases of one test file, run in the one launch of their rank count."""
+
+    cases: list[str]
+    n: int
+    timeout: float
+    """This file's share of the launch's time limit, seconds."""
+    selected: set[str] | None = None
+    """The cases pytest will run (tests/mpi/conftest.py); None: all."""
+    done: dict[str, CaseResult] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        BATCHES.append(self)
+
+    def wanted(self) -> list[str]:
+        return [c for c in self.cases if self.selected is None or c in self.selected]
+
+    def results(self) -> dict[str, CaseResult]:
+        """Every case's result; launched now, with the other waiting batches of ``n`` ranks,
+        unless an earlier file's request ran them."""
+        if self.done is None:
+            group = [b for b in BATCHES if b.n == self.n and b.done is None]
+            cases = [c for b in group for c in b.wanted()]
+            got = launch(cases, self.n, sum(b.timeout for b in group)) if cases else {}
+            for b in group:
+                b.done = {c: got[c] for c in b.wanted()}
+        return self.done
+
+
+BATCHES: list[Batch] = []
+"""Every batch this pytest process declared, in import order."""
+
+
+def limit(n: int) -> float:
+    """The time limit of the launch of ``n`` ranks: its batches' limits together."""
+    return sum(b.timeout for b in BATCHES if b.n == n)

@@ -2,7 +2,7 @@
 (tests/mpi/cases/layout_cases.py), and the plan field."""
 
 import pytest
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check
 
 import fxpar
 from fxpar.core.plan import PlanError
@@ -10,9 +10,12 @@ from fxpar.core.plan import PlanError
 CASES, NAMES = cases_in("layout_cases.py")
 
 
+BATCH = Batch(CASES, n=4, timeout=900)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=4, timeout=900)
+    return BATCH.results()
 
 
 @pytest.mark.mpi

@@ -2,15 +2,18 @@
 rank of a real SP2 and SP4 job within 1 % (tests/mpi/cases/coverage_cases.py)."""
 
 import pytest
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check
 
 CASES, NAMES = cases_in("coverage_cases.py")
 pytestmark = pytest.mark.mpi
 
 
+BATCH = Batch(CASES, n=4, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=4, timeout=600)
+    return BATCH.results()
 
 
 @pytest.mark.parametrize("case", CASES, ids=NAMES)

@@ -4,13 +4,12 @@ rows, the flags' errors; and, under one mpiexec launch of 4 ranks, compiled plan
 and fxpar-run's against one process (tests/mpi/cases/eval_cases.py)."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check
 
 import fxpar
 from fxpar.cli import run
@@ -221,12 +220,12 @@ def test_public_names_stay_importable_from_fxpar_cli_run():
 
 
 # -- under mpiexec ------------------------------------------------------------------------------
+BATCH = Batch(CASES, n=4, timeout=240)
+
+
 @pytest.fixture(scope="module")
 def results():
-    start = time.monotonic()
-    got = launch(CASES, n=4, timeout=240)
-    print(f"eval cases: one launch of 4 ranks, {time.monotonic() - start:.1f} s")
-    return got
+    return BATCH.results()
 
 
 @pytest.mark.mpi

@@ -6,7 +6,7 @@ forms and the plan field, without MPI."""
 import pytest
 import torch
 import torchvision
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check
 
 import fxpar
 from fxpar.core.plan import PlanError
@@ -15,9 +15,12 @@ from fxpar.passes.halo_fusion import FUSION_KEY
 CASES, NAMES = cases_in("fusion_cases.py")
 
 
+BATCH = Batch(CASES, n=4, timeout=1200)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=4, timeout=1200)
+    return BATCH.results()
 
 
 @pytest.mark.mpi

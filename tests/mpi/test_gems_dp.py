@@ -4,7 +4,7 @@ same chunks: loss, every gradient and parameter on every rank and in both copies
 steps, BatchNorm running statistics."""
 
 import pytest
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check
 
 from fxpar.core.plan import Plan
 from fxpar.core.schedule import Action, pipeline
@@ -13,9 +13,12 @@ from fxpar.perf.simulate import ScheduleError, interleave, simulate
 CASES, NAMES = cases_in("gems_dp_cases.py")
 
 
+BATCH = Batch(CASES, n=6, timeout=1200)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=6, timeout=1200)
+    return BATCH.results()
 
 
 @pytest.mark.mpi

@@ -7,7 +7,7 @@ import os
 
 import pytest
 from cases.library_cases import ci_subset
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check
 
 # one launch of every library case (about 6 min under load on 2 cores): past the 600 s default
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(3000)]
@@ -17,9 +17,12 @@ CHOSEN = NAMES if os.environ.get("FXPAR_LIBRARY_MATRIX") == "1" else ci_subset()
 CASES = [c for c, n in zip(ALL, NAMES, strict=True) if n in CHOSEN]
 
 
+BATCH = Batch(CASES, n=4, timeout=3000)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=4, timeout=3000)
+    return BATCH.results()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.split("::")[1] for c in CASES])

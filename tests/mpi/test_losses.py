@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cases.loss_cases import LOSSES, SHAPES, SegNet, targets
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check
 
 import fxpar
 from fxpar.compiler.loss import LossWarning, tiled_loss
@@ -88,9 +88,12 @@ def test_compile_with_an_example_target_checks_the_loss_there():
                       target=torch.empty((SHAPES[2][0], 1, *SHAPES[2][2:]), dtype=torch.int64))
 
 
+BATCH = Batch(CASES, n=8 if any("cube8" in c for c in CASES) else 4, timeout=2400)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=8 if any("cube8" in c for c in CASES) else 4, timeout=2400)
+    return BATCH.results()
 
 
 @pytest.mark.mpi

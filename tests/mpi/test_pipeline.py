@@ -2,15 +2,18 @@
 loss, every gradient, parameters after 2 SGD steps, BatchNorm buffers, eval forward."""
 
 import pytest
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check
 
 CASES, NAMES = cases_in("pipeline_cases.py")
 pytestmark = pytest.mark.mpi
 
 
+BATCH = Batch(CASES, n=4, timeout=900)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=4, timeout=900)
+    return BATCH.results()
 
 
 @pytest.mark.parametrize("case", CASES, ids=NAMES)

@@ -8,7 +8,7 @@ messages in the compute dtype, float32 norm statistics and GradScaler's scale ru
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check
 from torch import nn
 
 import fxpar
@@ -22,9 +22,12 @@ CASES, NAMES = cases_in("precision_cases.py")
 aten = torch.ops.aten
 
 
+BATCH = Batch(CASES, n=4, timeout=900)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=4, timeout=900)
+    return BATCH.results()
 
 
 @pytest.mark.mpi

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check
 from torch import nn
 
 import fxpar
@@ -33,9 +33,12 @@ small_unet, odd_net, SqueezeExcite, AlignCorners = (
                                                "AlignCorners"))
 
 
+BATCH = Batch(CASES, n=4, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=4, timeout=600)
+    return BATCH.results()
 
 
 @pytest.mark.mpi

@@ -1,13 +1,11 @@
-"""Emitted programs, fxpar-run's driver, checkpoints and meta-device compilation under one real
-mpiexec launch (4 ranks): each case compares against one process in float64, or bitwise where
-the claim is bitwise (resume, save/load)."""
+"""Emitted programs, fxpar-run's driver, checkpoints and meta-device compilation under a real
+mpiexec (4 ranks, the batched launch of tests/helpers/launch.py): each case compares against one
+process in float64, or bitwise where the claim is bitwise (resume, save/load)."""
 
 from pathlib import Path
 
 import pytest
-from helpers.launch import PATHS
-
-from fxpar.testing import run_cases
+from helpers.launch import Batch
 
 HERE = Path(__file__).parent / "cases"
 FILES = [HERE / f"{name}_cases.py" for name in ("emit", "checkpoint", "meta", "driver",
@@ -17,11 +15,12 @@ CASES = [f"{f}::{line.split('(')[0][4:]}" for f in FILES if f.exists()
 IDS = [c.split("/")[-1].replace("_cases.py::", ":") for c in CASES]
 
 pytestmark = pytest.mark.mpi
+BATCH = Batch(CASES, n=4, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_cases(CASES, n=4, timeout=900, pythonpath=PATHS)
+    return BATCH.results()
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

@@ -4,7 +4,7 @@ plans; a recomputed stage saves nothing during its forward and a step exchanges 
 messages as without recompute. Plus the plan field and the memory estimate, without MPI."""
 
 import pytest
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check
 
 import fxpar
 from fxpar.core.plan import PlanError
@@ -14,9 +14,12 @@ from fxpar.runtime.recompute import recomputed_stages
 CASES, NAMES = cases_in("recompute_cases.py")
 
 
+BATCH = Batch(CASES, n=5, timeout=1200)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=5, timeout=1200)
+    return BATCH.results()
 
 
 @pytest.mark.mpi

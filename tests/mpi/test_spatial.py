@@ -3,15 +3,18 @@ at P = 2, 3, 4 over the three slicings with odd image sizes, whole models, SP+LP
 
 import pytest
 from helpers.launch import CASES as CASE_FILES
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check, launch
 
 CASES, NAMES = cases_in("spatial_cases.py")
 pytestmark = pytest.mark.mpi
 
 
+BATCH = Batch(CASES, n=5, timeout=1500)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=5, timeout=1500)
+    return BATCH.results()
 
 
 @pytest.mark.parametrize("case", CASES, ids=NAMES)

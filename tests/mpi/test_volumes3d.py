@@ -9,7 +9,7 @@ under SP2+GEMS+PP, two spatial stages on pencils, and all five dimensions at onc
 import os
 
 import pytest
-from helpers.launch import cases_in, check, launch
+from helpers.launch import Batch, cases_in, check
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(1800)]  # one 8-rank launch, minutes
 ALL, NAMES = cases_in("volume_cases.py")
@@ -31,9 +31,12 @@ assert set(CHOSEN) <= set(NAMES), sorted(set(CHOSEN) - set(NAMES))
 CASES = [c for c, n in zip(ALL, NAMES, strict=True) if n in CHOSEN]
 
 
+BATCH = Batch(CASES, n=8, timeout=1800)
+
+
 @pytest.fixture(scope="module")
 def results():
-    return launch(CASES, n=8, timeout=1800)
+    return BATCH.results()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.split("::")[1] for c in CASES])
