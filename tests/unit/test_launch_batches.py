@@ -33,3 +33,11 @@ def test_one_launch_per_rank_count_for_the_selected_cases(launched):
     assert b.results() == {} and len(launched) == 1  # ran with a's launch
     assert set(c.results()) == {"c.py::1"} and launched[-1] == (["c.py::1"], 2, 10)
     assert batches.limit(4) == 150
+
+
+def test_a_launch_of_many_files_is_capped_unless_one_file_asks_for_more(launched):
+    for _ in range(4):
+        batches.Batch(["x.py::1"], n=4, timeout=1500)
+    assert batches.limit(4) == batches.LIMIT_CAP
+    batches.Batch(["y.py::1"], n=4, timeout=batches.LIMIT_CAP + 100)
+    assert batches.limit(4) == batches.LIMIT_CAP + 100
