@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from fxpar.core import meta
+from fxpar.core.fxgraph import graph_module
 from fxpar.core.geometry import Exchange, Grid, Rect, avg_counts, exchange
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.aten_ops import arg
@@ -282,7 +283,7 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
     graph = fx.Graph()
     out = graph.graph_copy(stage.graph, {})
     graph.output(out)
-    gm = fx.GraphModule(stage, graph, class_name=f"{type(stage).__name__}Tile{tile}")
+    gm = graph_module(stage, graph, f"{type(stage).__name__}Tile{tile}")
     gm.meta[FUSION_KEY] = tuple(GroupInfo(tuple(n.name for n in g.ops), g.widths(grid, tile))
                                 for g in fusion_groups(gm, grid, fusion))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

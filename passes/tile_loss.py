@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from fxpar.core.fxgraph import graph_module
 from fxpar.core.geometry import Grid
 from fxpar.frontend.rules.dims import Propagation, broadcast, shape
 from fxpar.runtime.spatial.lossops import TileReduceDims
@@ -43,7 +44,7 @@ def tile_loss(gm: fx.GraphModule, prop: Propagation, grid: Grid, extent: tuple[i
     new_of: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, new_of)
     graph.output(out)
-    tm = fx.GraphModule(gm, graph, class_name=f"LossTile{tile}")
+    tm = graph_module(gm, graph, f"LossTile{tile}")
     rect = grid.tile_rect(extent, tile)
     local = tuple(b - a for a, b in rect.dims)
 

@@ -17,6 +17,7 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from fxpar.core import meta
+from fxpar.core.fxgraph import graph_module, lazy_code
 from fxpar.core.meta import TensorInfo
 from fxpar.core.stages import StageGraph, StageInput, Transfer
 from fxpar.passes.split_stages import StageAssignment
@@ -41,7 +42,7 @@ def _with_original_names(sub: fx.GraphModule, prefix: str, qualnames: dict[str, 
                 obj = _attr(original_root, original)
             root[original] = obj
             n.target = original
-    gm = fx.GraphModule(root, graph, class_name=f"Stage{prefix.removeprefix('submod_')}")
+    gm = graph_module(root, graph, f"Stage{prefix.removeprefix('submod_')}")
     return gm
 
 
@@ -70,8 +71,9 @@ def _own_attribute(sub: fx.GraphModule, placeholder: fx.Node, target: str) -> No
 def build_stages(gm: fx.GraphModule) -> StageGraph:
     """Split a stage-annotated GraphModule into stage modules and transfers."""
     qualnames: dict[str, str] = {}
-    top = split_module(gm, gm, lambda n: meta.get(n, StageAssignment).stage,
-                       qualname_map=qualnames, keep_original_order=True, tuple_return=True)
+    with lazy_code():  # the split's modules are read, never run
+        top = split_module(gm, gm, lambda n: meta.get(n, StageAssignment).stage,
+                           qualname_map=qualnames, keep_original_order=True, tuple_return=True)
     calls = [n for n in top.graph.nodes if n.op == "call_module"]
     stage_of = {n: int(str(n.target).removeprefix("submod_")) for n in calls}
     count = len(calls)

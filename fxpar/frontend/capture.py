@@ -45,6 +45,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxpar.core.fxgraph import graph_module, lazy_code
 from fxpar.core.meta import pretty_path
 from fxpar.core.modelkeys import MODEL_KEYS, ModelKeys
 from fxpar.runtime.modules import BatchNormOp, DropoutOp
@@ -118,7 +119,7 @@ def capture(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
              for h in (m.register_forward_pre_hook(enter(name)),
                        m.register_forward_hook(leave))]
     try:
-        with mode, _quiet_torch_logs(), contextlib.redirect_stderr(io.StringIO()):
+        with mode, _quiet_torch_logs(), contextlib.redirect_stderr(io.StringIO()), lazy_code():
             fake = torch.empty(tuple(example.shape), dtype=example.dtype, device=device)
             ep = torch.export.export(model, (fake,), strict=False)
     except Exception as e:  # noqa: BLE001 - re-raised with what to change
@@ -129,7 +130,8 @@ def capture(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
     finally:
         for h in hooks:
             h.remove()
-    gm = normalize(ep.module(), type(model).__name__)
+    with lazy_code():
+        gm = normalize(ep.module(), type(model).__name__)
     gm.train(model.training)
     gm.meta[MODEL_KEYS] = ModelKeys.of(model)  # the names export keeps only one of
     for m in gm.modules():  # the mode each op was captured in (a frozen BatchNorm stays so)
@@ -199,7 +201,7 @@ def normalize(exported: fx.GraphModule, class_name: str) -> fx.GraphModule:
     if spec is not None:
         out.args = (pytree.tree_unflatten(flat, spec),)
     graph._codegen = fx.graph.CodeGen()
-    gm = fx.GraphModule(exported, graph, class_name)
+    gm = graph_module(exported, graph, class_name)
     _mode_ops(gm)
     gm.graph.lint()
     gm.recompile()

@@ -27,6 +27,7 @@ import torch
 from torch import fx, nn
 
 from fxpar.comm.protocol import Comm
+from fxpar.core.fxgraph import graph_module
 from fxpar.frontend.capture import TraceError
 from fxpar.frontend.trace import trace
 
@@ -139,7 +140,7 @@ def unpack(data: bytes, model: nn.Module) -> fx.GraphModule:
             raise TraceError(f"the received graph names a node {name!r} twice")
         node.meta.update(meta)
         made[name] = node
-    gm = fx.GraphModule(root, graph, got["class"])
+    gm = graph_module(root, graph, got["class"])
     # GraphModule copies only what a node reads: the tensors of modules whose forward never
     # runs (unused layers), which the traced module keeps for the state_dict, go on again
     _register(gm, [t for t in got["tensors"] if not _holds(gm, t.path)], model)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fxpar.core.fxgraph import graph_module
 from fxpar.core.modelkeys import put
 from fxpar.core.plan import PlanError
 
@@ -290,7 +291,7 @@ def build(data: dict[str, Any], state: dict[str, torch.Tensor], class_name: str 
         node = graph.create_node(e["op"], _resolve_target(e["op"], e["target"]), args,
                                  kwargs, name=e["name"])
         nodes[e["name"]] = node
-    gm = fx.GraphModule(root, graph, class_name)
+    gm = graph_module(root, graph, class_name)
     for t in data["tensors"]:  # what the graph does not read is not copied by GraphModule
         if "alias_of" not in t and not _has(gm, t["path"]):
             put(gm, t["path"], attrgetter(t["path"])(root),

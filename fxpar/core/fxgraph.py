@@ -1,0 +1,34 @@
+"""GraphModules whose Python code is generated when it is first needed.
+
+``fx.GraphModule`` generates and compiles Python source for its graph when it is built and each
+time its graph is set. A compile builds the whole model's module, its split, every stage's
+module and tile 0 of each spatial stage on every rank, and a rank then calls one or two of
+them: on the 6-rank GEMS/DP and schedule cases, code generation was 87 of 629 CPU-s (profiled),
+split_module's modules and the stage rebuilds most of it. torch.fx's ``_LazyGraphModule``
+(what torch.compile uses for the same reason) defers it to the first call, ``.code`` or pickle,
+and is otherwise a GraphModule. It is torch-private (in torch.fx since 2.2, unchanged through
+2.14): this module is its one user in fxpar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
+
+
+def graph_module(root: torch.nn.Module | dict[str, object], graph: fx.Graph,
+                 class_name: str = "GraphModule") -> fx.GraphModule:
+    """``fx.GraphModule(root, graph, class_name)``, its code generated on first use."""
+    return _LazyGraphModule(root, graph, class_name)
+
+
+@contextmanager
+def lazy_code() -> Iterator[None]:
+    """GraphModules that torch.fx builds inside (``split_module``'s) generate their code on
+    first use."""
+    with _use_lazy_graph_module(True):
+        yield
