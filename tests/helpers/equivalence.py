@@ -80,6 +80,8 @@ def assert_same(name: str, got: torch.Tensor | float | None, want: torch.Tensor 
         return
     g = got.detach().to("cpu", torch.float64)
     w = want.detach().to("cpu", torch.float64)
+    if not os.environ.get("FXPAR_TOLERANCE_LOG") and _all_close(g, w, atol, rtol):
+        return
     diff = (g - w).abs()
     allowed = w.abs().mul_(rtol).add_(atol)
     # NaN on one side only is never <=; an infinite ``want`` allows anything but itself
@@ -105,6 +107,24 @@ def assert_same(name: str, got: torch.Tensor | float | None, want: torch.Tensor 
 
 
 _collected: list[str] | None = None
+
+CHUNK = 1 << 18
+"""Elements compared at a time by :func:`_all_close` (2 MiB of float64)."""
+
+
+def _all_close(g: torch.Tensor, w: torch.Tensor, atol: float, rtol: float) -> bool:
+    """Whether every element of ``g`` is within ``atol + rtol * |w|`` of the finite ``w``: the
+    test of :func:`assert_same` that nearly every comparison passes, a chunk at a time. Its
+    temporaries stay small, so the allocator reuses them: on whole tensors, each of the four
+    is fresh memory the kernel faults in page by page, 3.5x slower over resnet18's 11M
+    parameters. False sends the comparison to the element-wise account."""
+    gf, wf = g.reshape(-1), w.reshape(-1)
+    for start in range(0, gf.numel(), CHUNK):
+        gc, wc = gf[start:start + CHUNK], wf[start:start + CHUNK]
+        allowed = wc.abs().mul_(rtol).add_(atol)
+        if not bool(torch.sub(gc, wc).abs_().le_(allowed).logical_and_(wc.isfinite()).all()):
+            return False
+    return True
 
 
 @contextmanager

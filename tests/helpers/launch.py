@@ -3,9 +3,11 @@ tests/mpi/cases, run under ``mpiexec``.
 
 A test file declares its cases with :class:`Batch` at import; its module fixture asks for their
 results. The first file to ask launches the cases of every file of this pytest process that
-runs on as many ranks (those pytest selected, tests/mpi/conftest.py): one launch per rank count
-instead of one per file, so each rank imports torch and the model libraries once. Each launch's
-time limit is the sum of its files' limits, capped (:data:`LIMIT_CAP`)."""
+runs in the same launch (those pytest selected, tests/mpi/conftest.py): the files on as many
+ranks, or, for files whose cases take only the ranks they need (``share``), every such file in
+one launch of the most ranks any of them needs. One launch instead of one per file: each rank
+imports torch and the model libraries, and warms up torch.export, once. Each launch's time
+limit is the sum of its files' limits, capped (:data:`LIMIT_CAP`)."""
 
 from __future__ import annotations
 
@@ -55,12 +57,22 @@ class Batch:
     n: int
     timeout: float
     """This file's share of the launch's time limit, seconds."""
+    share: bool = False
+    """Its cases take the ranks they need from the launch (helpers.transparency.sub_comm;
+    none uses the whole world), so it runs in one launch with every other such file of the
+    pytest process, on the most ranks any of them needs. False: with the files of exactly
+    ``n`` ranks."""
     selected: set[str] | None = None
     """The cases pytest will run (tests/mpi/conftest.py); None: all."""
     done: dict[str, CaseResult] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         BATCHES.append(self)
+
+    @property
+    def key(self) -> int | str:
+        """Which launch it runs in: "shared", or its rank count."""
+        return "shared" if self.share else self.n
 
     def wanted(self) -> list[str]:
         return [c for c in self.cases if self.selected is None or c in self.selected]
@@ -69,9 +81,9 @@ class Batch:
         """Every case's result; launched now, with the other waiting batches of ``n`` ranks,
         unless an earlier file's request ran them."""
         if self.done is None:
-            group = [b for b in BATCHES if b.n == self.n and b.done is None]
+            group = [b for b in BATCHES if b.key == self.key and b.done is None]
             cases = [c for b in group for c in b.wanted()]
-            got = launch(cases, self.n, limit(self.n)) if cases else {}
+            got = launch(cases, max(b.n for b in group), limit(self.key)) if cases else {}
             for b in group:
                 b.done = {c: got[c] for c in b.wanted()}
         return self.done
@@ -88,8 +100,8 @@ hangs past the watchdog still ends its launch within the hour. A single file's l
 (a long matrix) wins over it."""
 
 
-def limit(n: int) -> float:
-    """The time limit of the launch of ``n`` ranks: its batches' limits together, at most
-    :data:`LIMIT_CAP` unless one of them alone asks for more."""
-    mine = [b.timeout for b in BATCHES if b.n == n]
+def limit(key: int | str) -> float:
+    """The time limit of the launch ``key`` (:attr:`Batch.key`): its batches' limits together,
+    at most :data:`LIMIT_CAP` unless one of them alone asks for more."""
+    mine = [b.timeout for b in BATCHES if b.key == key]
     return min(sum(mine), max([LIMIT_CAP, *mine]))

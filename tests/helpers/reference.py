@@ -57,7 +57,12 @@ def _load(ref: nn.Module, snap: Snapshot) -> float:
             offsets[t.dtype] = k + t.numel()
             if len(params) <= i < 2 * len(params):  # a gradient
                 p = params[i - len(params)]
-                p.grad = value.clone() if has_grad[i - len(params)] else None
+                if not has_grad[i - len(params)]:
+                    p.grad = None
+                elif p.grad is None:
+                    p.grad = value.clone()
+                else:  # the memory of the step before: no fresh pages to fault in
+                    p.grad.copy_(value)
             else:
                 t.copy_(value)
     return loss
@@ -84,6 +89,8 @@ class Reference:
         self.comm, self.ref = comm, ref
         self.root = comm.size - 1
         self._states: list[Snapshot] = []
+        self._received: dict[torch.dtype, torch.Tensor] | None = None
+        """Where the other ranks receive a snapshot: allocated once, for every step."""
 
     def train(self, steps: int, opt: torch.optim.Optimizer, x: torch.Tensor,
               y: object, chunks: int, loss_fn: Callable,
@@ -102,7 +109,9 @@ class Reference:
             snap = self._states[s]
             flat = snap[0]
         else:
-            flat = _empty_like(self.ref)
+            if self._received is None:
+                self._received = _empty_like(self.ref)
+            flat = self._received
         has_grad = self.comm.bcast_object(snap[1] if self.comm.rank == self.root else None,
                                           root=self.root)
         for dt in sorted(flat, key=str):

@@ -1,5 +1,5 @@
 """Batched launches (tests/helpers/launch.py): each batch runs only the cases pytest selected,
-and a test that may start its rank count's launch gets that launch's whole time limit."""
+and a test that may start its launch gets that launch's whole time limit."""
 
 from __future__ import annotations
 
@@ -17,4 +17,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         case = item.callspec.params.get("case") if hasattr(item, "callspec") else None
         if case in owner:  # the launch's own limit ends first, then pytest's
-            item.add_marker(pytest.mark.timeout(limit(owner[case].n) + 300))
+            item.add_marker(pytest.mark.timeout(limit(owner[case].key) + 300))

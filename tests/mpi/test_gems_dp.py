@@ -13,7 +13,7 @@ from fxpar.perf.simulate import ScheduleError, interleave, simulate
 CASES, NAMES = cases_in("gems_dp_cases.py")
 
 
-BATCH = Batch(CASES, n=6, timeout=1200)
+BATCH = Batch(CASES, n=6, timeout=1200, share=True)
 
 
 @pytest.fixture(scope="module")

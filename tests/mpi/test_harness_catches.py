@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from helpers.equivalence import ATOL64, RTOL64, assert_same
+from helpers.equivalence import ATOL64, CHUNK, RTOL64, assert_same
 from helpers.launch import CASES, launch
 
 CASES = CASES / "harness_cases.py"
@@ -50,6 +50,24 @@ def test_nan_and_inf_fail_and_are_named(bad, where):
         assert_same("y", got, want)
     same = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float64)
     assert_same("z", same.clone(), same)  # NaN where want has NaN, the same infinities
+
+
+@pytest.mark.parametrize("where", [0, CHUNK - 1, CHUNK, 2 * CHUNK + 1])
+def test_one_bad_element_in_any_chunk_of_a_big_tensor_is_found(where):
+    """A tensor of several chunks (assert_same's fast path compares a chunk at a time): one
+    element 1e-8 relative off, in the first, at the end of one, at the start of the next or in
+    the short last chunk, is named; so is an infinite want there."""
+    want = torch.linspace(1.0, 2.0, 2 * CHUNK + 2, dtype=torch.float64).reshape(-1, 5)
+    got = want.clone()
+    got.view(-1)[where] *= 1 + 1e-8
+    index = [where // 5, where % 5]
+    with pytest.raises(AssertionError, match=re.escape(f"1 of {want.numel()} elements differ; "
+                                                       f"worst at index {index}")):
+        assert_same("grad of w", got, want)
+    assert_same("grad of w", want * (1 + 0.5 * RTOL64), want, 0.0, RTOL64)
+    want.view(-1)[where] = float("inf")
+    with pytest.raises(AssertionError, match=re.escape(f"worst at index {index}")):
+        assert_same("grad of w", want.nan_to_num(posinf=5.0), want)
 
 
 @pytest.mark.parametrize("got", [5.0, -float("inf"), float("nan")])

@@ -88,7 +88,8 @@ def test_compile_with_an_example_target_checks_the_loss_there():
                       target=torch.empty((SHAPES[2][0], 1, *SHAPES[2][2:]), dtype=torch.int64))
 
 
-BATCH = Batch(CASES, n=8 if any("cube8" in c for c in CASES) else 4, timeout=2400)
+BATCH = Batch(CASES, n=8 if any("cube8" in c for c in CASES) else 4, timeout=2400,
+              share=True)
 
 
 @pytest.fixture(scope="module")

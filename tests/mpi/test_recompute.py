@@ -14,7 +14,7 @@ from fxpar.runtime.recompute import recomputed_stages
 CASES, NAMES = cases_in("recompute_cases.py")
 
 
-BATCH = Batch(CASES, n=5, timeout=1200)
+BATCH = Batch(CASES, n=5, timeout=1200, share=True)
 
 
 @pytest.fixture(scope="module")

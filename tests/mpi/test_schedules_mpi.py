@@ -9,7 +9,7 @@ CASES, NAMES = cases_in("schedule_cases.py")
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(1800)]
 
 
-BATCH = Batch(CASES, n=6, timeout=1700)
+BATCH = Batch(CASES, n=6, timeout=1700, share=True)
 
 
 @pytest.fixture(scope="module")

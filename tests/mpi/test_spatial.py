@@ -9,7 +9,7 @@ CASES, NAMES = cases_in("spatial_cases.py")
 pytestmark = pytest.mark.mpi
 
 
-BATCH = Batch(CASES, n=5, timeout=1500)
+BATCH = Batch(CASES, n=5, timeout=1500, share=True)
 
 
 @pytest.fixture(scope="module")

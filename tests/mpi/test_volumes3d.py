@@ -31,7 +31,7 @@ assert set(CHOSEN) <= set(NAMES), sorted(set(CHOSEN) - set(NAMES))
 CASES = [c for c, n in zip(ALL, NAMES, strict=True) if n in CHOSEN]
 
 
-BATCH = Batch(CASES, n=8, timeout=1800)
+BATCH = Batch(CASES, n=8, timeout=1800, share=True)
 
 
 @pytest.fixture(scope="module")

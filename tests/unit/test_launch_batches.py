@@ -1,5 +1,6 @@
-"""The batched launches of tests/helpers/launch.py: one launch per rank count for every file's
-selected cases, with the files' time limits summed; a file's results only its own cases."""
+"""The batched launches of tests/helpers/launch.py: one launch per rank count (one for all the
+files that share) for every file's selected cases, with the files' time limits summed; a file's
+results only its own cases."""
 
 from __future__ import annotations
 
@@ -41,3 +42,14 @@ def test_a_launch_of_many_files_is_capped_unless_one_file_asks_for_more(launched
     assert batches.limit(4) == batches.LIMIT_CAP
     batches.Batch(["y.py::1"], n=4, timeout=batches.LIMIT_CAP + 100)
     assert batches.limit(4) == batches.LIMIT_CAP + 100
+
+
+def test_files_that_share_run_in_one_launch_of_the_most_ranks(launched):
+    a = batches.Batch(["a.py::1"], n=5, timeout=100, share=True)
+    b = batches.Batch(["b.py::1"], n=8, timeout=50, share=True)
+    c = batches.Batch(["c.py::1"], n=8, timeout=10)  # its cases use the whole world
+    assert set(a.results()) == {"a.py::1"}
+    assert launched == [(["a.py::1", "b.py::1"], 8, 150)]
+    assert set(b.results()) == {"b.py::1"} and len(launched) == 1
+    assert set(c.results()) == {"c.py::1"} and launched[-1] == (["c.py::1"], 8, 10)
+    assert batches.limit("shared") == 150 and batches.limit(8) == 10
