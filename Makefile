@@ -21,8 +21,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check fxpar passes models tools tests examples
 	$(PY) tools/check_imports.py
 
-# tests/streams.py: tests/unit beside two streams of tests/mpi (the files of 5-8 ranks, the
-# rest), then the files bound by wall time alone; each stream's report as it ends
+# tests/streams.py: tests/unit beside the files bound by wall time, then two streams of tests/mpi
+# (the files sharing one 8-rank launch, the rest); each stream's report as it ends
 test: $(STAMP) lint
 	$(PY) tests/streams.py
 

@@ -4,10 +4,11 @@ The files whose jobs must end within a bound of wall time (:data:`TIMED`: fault 
 limits, the fuzzer's limits) start first, beside ``tests/unit`` only: a single process, so
 they keep about a core to themselves (beside the MPI streams their watchdog and 90-second bounds
 failed), and they leave the other core idle half the time (alone: 369 s of wall time, 341
-CPU-s). When they end, the other ``tests/mpi`` files start in two streams split by the ranks
-they launch: the files of 5 to 8 ranks in one, the rest (4 ranks or fewer) in the other, so that
-no two 8-rank launches meet in memory. Every ``tests/mpi`` file runs in exactly one place; a
-file not named here joins the second MPI stream.
+CPU-s). When they end, the other ``tests/mpi`` files start in two streams: :data:`MANY_RANKS`
+in one (their cases share one 8-rank launch, tests/helpers/launch.py ``Batch(share=True)``),
+the rest (4 ranks or fewer) in the other, so that no two 8-rank launches meet in memory. Every
+``tests/mpi`` file runs in exactly one place; a file not named here joins the second MPI
+stream.
 
 Each stream's report is printed whole when it ends; the exit code is non-zero when any failed.
 """
@@ -24,8 +25,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MPI = HERE / "mpi"
 MANY_RANKS = ["test_volumes3d.py", "test_losses.py", "test_schedules_mpi.py", "test_gems_dp.py",
-              "test_spatial.py", "test_recompute.py"]
-"""The files whose launches take 5 to 8 ranks: one stream."""
+              "test_spatial.py", "test_recompute.py", "test_fusion.py"]
+"""The files whose cases share one launch of 8 ranks: one stream. Those of 5 to 8 ranks, and
+test_fusion.py's 4-rank cases, which even out the two MPI streams (6a54aea: this one ended at
+1,265 s, the other at 1,366 s; the fusion cases take about 65 s)."""
 TIMED = ["test_faults.py", "test_fault_matrix.py", "test_comm.py", "test_checkpoint_crash.py",
          "test_fuzz.py"]
 """Files whose jobs or checks must end within a bound of wall time (a failing job within 90 s,
@@ -53,7 +56,7 @@ def streams() -> dict[str, Stream]:
     return {
         "tests/unit": Stream(["--durations=5", str(HERE / "unit")]),
         timed: Stream(["--durations=5", *(str(MPI / f) for f in TIMED)]),
-        "tests/mpi, 5-8 ranks": Stream(["--durations=8", *(str(MPI / f) for f in MANY_RANKS)],
+        "tests/mpi, 8-rank launch": Stream(["--durations=8", *(str(MPI / f) for f in MANY_RANKS)],
                                        after=timed),
         "tests/mpi, up to 4 ranks": Stream(["--durations=8", *(str(MPI / f) for f in rest)],
                                            after=timed),

@@ -15,7 +15,7 @@ from fxpar.passes.halo_fusion import FUSION_KEY
 CASES, NAMES = cases_in("fusion_cases.py")
 
 
-BATCH = Batch(CASES, n=4, timeout=1200)
+BATCH = Batch(CASES, n=4, timeout=1200, share=True)
 
 
 @pytest.fixture(scope="module")

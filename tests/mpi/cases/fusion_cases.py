@@ -141,11 +141,14 @@ def case_harness_catches_border_statistics() -> None:
 
     batchnorm.batch_norm = whole_region
     try:
-        caught = False
-        try:
-            check(Case(_resnet, (2, 3, 64, 64), P(spatial_parts=4, halo_fusion="all")))
+        caught = outside = False
+        try:  # None: a rank outside the plan's 4 (the case runs in a launch of more)
+            outside = check(Case(_resnet, (2, 3, 64, 64),
+                                 P(spatial_parts=4, halo_fusion="all"))) is None
         except AssertionError:
             caught = True
+        if outside:
+            return
         assert boxes[0] > 0, "no fused BatchNorm ran"
         assert caught, "the harness did not notice statistics over the border"
     finally:
