@@ -78,8 +78,8 @@ class Batch:
         return [c for c in self.cases if self.selected is None or c in self.selected]
 
     def results(self) -> dict[str, CaseResult]:
-        """Every case's result; launched now, with the other waiting batches of ``n`` ranks,
-        unless an earlier file's request ran them."""
+        """Every case's result; launched now, with the other waiting batches of its launch
+        (:attr:`key`), unless an earlier file's request ran them."""
         if self.done is None:
             group = [b for b in BATCHES if b.key == self.key and b.done is None]
             cases = [c for b in group for c in b.wanted()]
