@@ -3,6 +3,7 @@
 Dropout is off: its random masks are not part of the contract (each rank draws its own)."""
 
 import torchvision.models as tvm
+from helpers.models import resnet18_narrow
 from helpers.transparency import Case, check
 
 import fxpar
@@ -11,6 +12,12 @@ from fxpar import models
 
 def _resnet18():
     return tvm.resnet18(num_classes=5)
+
+
+def _resnet18_narrow():
+    """The same blocks at a sixteenth of the width (tests/helpers/models.py), for the
+    schedules of 3 and 4 stages."""
+    return resnet18_narrow()
 
 
 def _resnet50():
@@ -49,11 +56,11 @@ def case_resnet18_lp2():
 
 
 def case_resnet18_pp4_gpipe_s4():
-    check(Case(_resnet18, (8, 3, 32, 32), P(stages=4, microbatches=4, schedule="gpipe")))
+    check(Case(_resnet18_narrow, (8, 3, 64, 64), P(stages=4, microbatches=4, schedule="gpipe")))
 
 
 def case_resnet18_pp2_1f1b_s3():
-    check(Case(_resnet18, (4, 3, 32, 32), P(stages=3, microbatches=2, schedule="1f1b")))
+    check(Case(_resnet18_narrow, (4, 3, 64, 64), P(stages=3, microbatches=2, schedule="1f1b")))
 
 
 def case_resnet50_pp2_s2():

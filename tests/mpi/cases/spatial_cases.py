@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torchvision.models as tvm
+from helpers.models import resnet18_narrow, resnet50_narrow
 from helpers.transparency import Case, check
 from torch import nn
 
@@ -228,7 +229,9 @@ def case_resnet18_p4_square():
 
 
 def case_resnet50_p2_vertical():
-    check(Case(lambda: tvm.resnet50(num_classes=5), (2, 3, 64, 64),
+    """resnet50's Bottlenecks at a sixteenth of the width (tests/helpers/models.py);
+    torchvision's resnet50 trains in tests/mpi/cases/pipeline_cases.py and memory_cases.py."""
+    check(Case(resnet50_narrow, (2, 3, 64, 64),
                fxpar.Plan(spatial_parts=2, slice="vertical")))
 
 
@@ -253,7 +256,7 @@ def case_unet_segmentation_p4():
 
 
 def case_sp_lp_resnet18():
-    check(Case(lambda: tvm.resnet18(num_classes=5), (2, 3, 64, 64),
+    check(Case(resnet18_narrow, (2, 3, 64, 64),
                fxpar.Plan(stages=2, spatial_parts=2, slice="vertical")))
 
 
@@ -287,7 +290,7 @@ def _split_everywhere(case: Case) -> None:
 
 
 def case_split_convolutions_resnet18_p4_square():
-    _split_everywhere(Case(lambda: tvm.resnet18(num_classes=5), (2, 3, 64, 64),
+    _split_everywhere(Case(resnet18_narrow, (2, 3, 64, 64),
                            fxpar.Plan(spatial_parts=4)))
 
 
