@@ -8,7 +8,7 @@ CASES, NAMES = cases_in("pipeline_cases.py")
 pytestmark = pytest.mark.mpi
 
 
-BATCH = Batch(CASES, n=4, timeout=900)
+BATCH = Batch(CASES, n=4, timeout=900, share=True)
 
 
 @pytest.fixture(scope="module")
