@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +119,7 @@ def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
             ex = exchange(ctx.grid, in_ext, list(fused.needs), ctx.tile, op.fill)
         with g.inserting_before(n):
             new = _fused(ctx, n, op, x, ex, out, in_ext, out_ext, local=inside is not None)
-    elif op.kind in ("conv", "maxpool", "avgpool"):
+    elif op.rule.halo_op:
         ex = exchange(ctx.grid, in_ext, needs, ctx.tile, op.fill)
         with g.inserting_before(n):
             new = _fused(ctx, n, op, x, ex, own, in_ext, out_ext)
@@ -189,20 +190,44 @@ def _crop(g: fx.Graph, x: fx.Node, box: Rect) -> fx.Node:
 
 def _tile_op(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect, need: Rect,
              in_ext: tuple[int, ...], out_ext: tuple[int, ...]) -> fx.Node:
-    g = ctx.gm.graph
-    s, d = op.s, op.d
-    if op.kind == "pad":
-        return win
-    if op.kind == "interp":
-        interp = TileInterp(op.attr("maps"), own.dims, tuple(a for a, _ in need.dims))
-        return g.call_module(ctx.add("interp", interp), (win,))
-    if op.kind == "convT":
-        groups, w, b = _weights(n)
-        conv_t = F.conv_transpose3d if len(s) == 3 else F.conv_transpose2d
-        full = g.call_function(conv_t, (win, w, b, s, 0, 0, groups, d))
-        base = tuple(a * s[i] - op.p[i] for i, (a, _) in enumerate(need.dims))
-        return _crop(g, full, own.moved(base))
-    raise AssertionError(f"no tile rule for window kind {op.kind!r}")
+    """Window op ``n`` on its assembled window ``win`` (:data:`TILE_OPS`), giving ``own``."""
+    tile_op = TILE_OPS.get(op.kind)
+    if tile_op is None:
+        raise AssertionError(f"window kind {op.kind!r} runs in no HaloOp and has no TILE_OPS "
+                             f"entry")
+    return tile_op(ctx, n, op, win, own, need)
+
+
+def _pad_tile(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect,
+              need: Rect) -> fx.Node:
+    return win  # the window is the padded (or cropped) tile
+
+
+def _interp_tile(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect,
+                 need: Rect) -> fx.Node:
+    interp = TileInterp(op.attr("maps"), own.dims, tuple(a for a, _ in need.dims))
+    return ctx.gm.graph.call_module(ctx.add("interp", interp), (win,))
+
+
+def _conv_transposed_tile(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect,
+                          need: Rect) -> fx.Node:
+    """The whole transposed convolution of the window, cropped to this tile's outputs."""
+    g, s = ctx.gm.graph, op.s
+    groups, w, b = _weights(n)
+    conv_t = F.conv_transpose3d if len(s) == 3 else F.conv_transpose2d
+    full = g.call_function(conv_t, (win, w, b, s, 0, 0, groups, op.d))
+    base = tuple(a * s[i] - op.p[i] for i, (a, _) in enumerate(need.dims))
+    return _crop(g, full, own.moved(base))
+
+
+TILE_OPS: dict[str, Callable[[_Ctx, fx.Node, Window, fx.Node, Rect, Rect], fx.Node]] = {
+    "pad": _pad_tile,
+    "interp": _interp_tile,
+    "convT": _conv_transposed_tile,
+}
+"""The tile op of each window kind that runs on an assembled window (the kinds of
+fxpar.frontend.rules.opkind.WINDOW_KINDS without ``halo_op``): (context, node, op, window
+node, this tile's output region, the window's region) -> the node of the tile's output."""
 
 
 def _as_tile(ctx: _Ctx, n: fx.Node, a: Any) -> Any:

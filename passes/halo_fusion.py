@@ -48,9 +48,6 @@ from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.frontend.rules.opclass import BatchNorm, Pointwise, Window, classify
 from fxpar.passes.spatial_region import SpatialLayout, window_needs
 
-FUSABLE = ("conv", "maxpool", "avgpool")
-"""Windowed op kinds a group can hold (run by ``HaloOp``)."""
-
 
 @dataclass(frozen=True)
 class FusionCost:
@@ -162,7 +159,7 @@ def _next(gm: fx.GraphModule, w: fx.Node, nd: int) -> tuple[list[fx.Node], fx.No
         u = users[0]
         op = classify(gm, u)
         if isinstance(op, Window):
-            if op.kind in FUSABLE and _tiled(u) and u.args[0] is cur and \
+            if op.rule.halo_op and _tiled(u) and u.args[0] is cur and \
                     cur not in u.args[1:]:
                 return between, u
             return None
@@ -264,7 +261,7 @@ def fusion_groups(gm: fx.GraphModule, grid: Grid, mode: str,
         if n in taken or n.op != "call_function" or not _tiled(n):
             continue
         op = classify(gm, n)
-        if not isinstance(op, Window) or op.kind not in FUSABLE:
+        if not isinstance(op, Window) or not op.rule.halo_op:  # a group holds HaloOps
             continue
         chain, ops, best = [n], [n], None
         now = [_alone(gm, grid, n, u, cost) for u in range(grid.size)]  # per tile

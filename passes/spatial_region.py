@@ -85,7 +85,7 @@ def window_need(grid: Grid, n: fx.Node, op: Window, u: int) -> Rect:
     out_ext = tuple(meta.get(n, TensorInfo).shape[2:])
     r = grid.tile_rect(out_ext, u)
     need = Rect(*(op.needs(iv, i) for i, iv in enumerate(r.dims)))
-    if op.kind == "interp":  # border rows repeat (clamp, reflect): no fill past it
+    if op.rule.clamped:  # border rows repeat (clamp, reflect): no fill past it
         need = need.intersect(Rect.whole(tuple(meta.get(x, TensorInfo).shape[2:]))) or need
     return need
 

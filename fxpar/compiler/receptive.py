@@ -173,7 +173,7 @@ def needs(gm: fx.GraphModule, box: Rect) -> Rect:
             src = n.args[0]
             assert isinstance(src, fx.Node)
             want = Rect(*(op.needs(iv, i) for i, iv in enumerate(r.dims)))
-            if op.kind == "interp":  # border rows repeat (clamp, reflect): no fill past it
+            if op.rule.clamped:  # border rows repeat (clamp, reflect): no fill past it
                 ext = _extent(src)
                 assert ext is not None
                 want = want.intersect(Rect.whole(ext)) or want
@@ -212,16 +212,8 @@ def strides(gm: fx.GraphModule) -> dict[fx.Node, tuple[Fraction, ...]]:
         if not ins:
             continue
         base = out[ins[0]]
-        if isinstance(op, Window) and op.kind == "convT":
-            out[n] = tuple(b / s for b, s in zip(base, op.s, strict=True))
-        elif isinstance(op, Window) and op.kind == "interp":
-            maps = op.attr("maps")
-            out[n] = tuple(b * Fraction(m.size_in, m.size_out) if m.mode not in ("reflect",
-                           "replicate") else b for b, m in zip(base, maps, strict=True))
-        elif isinstance(op, Window) and op.kind != "pad":
-            out[n] = tuple(b * s for b, s in zip(base, op.s, strict=True))
-        else:
-            out[n] = base
+        out[n] = tuple(b * op.scale(i) for i, b in enumerate(base)) \
+            if isinstance(op, Window) else base
     return out
 
 

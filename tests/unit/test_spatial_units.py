@@ -355,3 +355,30 @@ def test_a_new_elementwise_op_is_one_entry_and_keeps_the_region_going():
     halos = [n for n in tile.graph.nodes if n.op == "call_module"
              and type(tile.get_submodule(n.target)).__name__ == "HaloOp"]
     assert len(halos) == 2, tile.graph
+
+
+def test_every_window_kind_has_one_entry_and_a_tile_op():
+    """Window kinds are data (fxpar.frontend.rules.opkind.WINDOW_KINDS): each runs in a HaloOp
+    or has its tile op in fxpar.passes.halo.TILE_OPS; its window and receptive scale agree with
+    the geometry of fxpar.core.geometry; a kind without an entry is refused where the rule
+    makes it, not deep in a pass."""
+    from fractions import Fraction
+
+    from fxpar.core.geometry import transposed_rows, window_rows
+    from fxpar.frontend.rules.opkind import WINDOW_KINDS, Window
+    from fxpar.passes.halo import TILE_OPS
+
+    in_halo_op = {k for k, rule in WINDOW_KINDS.items() if rule.halo_op}
+    assert in_halo_op == {"conv", "maxpool", "avgpool"}  # the kinds HaloOp computes
+    assert set(TILE_OPS) == set(WINDOW_KINDS) - in_halo_op
+    conv = Window("conv", (3, 5), (2, 1), (1, 2), (1, 2))
+    assert [conv.needs((4, 9), i) for i in range(2)] == \
+        [window_rows((4, 9), 3, 2, 1, 1), window_rows((4, 9), 5, 1, 2, 2)]
+    assert (conv.scale(0), conv.scale(1)) == (2, 1)
+    up = Window("convT", (4,), (2,), (1,))
+    assert up.needs((3, 10), 0) == transposed_rows((3, 10), 4, 2, 1, 1)
+    assert up.scale(0) == Fraction(1, 2)
+    assert Window("pad", (1,), (1,), (3,)).scale(0) == 1
+    assert [k for k, rule in WINDOW_KINDS.items() if rule.clamped] == ["interp"]
+    with pytest.raises(ValueError, match="'unfold' has no entry in WINDOW_KINDS"):
+        Window("unfold", (3,), (1,), (1,))

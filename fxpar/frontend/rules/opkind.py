@@ -8,7 +8,9 @@ fxpar.frontend.rules.opclass is the entry the passes call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from fxpar.core.geometry import (
@@ -25,8 +27,9 @@ class Pointwise:
 
 @dataclass(frozen=True)
 class Window:
-    """A windowed op. ``kind``: conv, maxpool, avgpool, pad (constant), convT, interp (any
-    interpolation, reflect / replicate padding: its index map per dim is ``attr("maps")``).
+    """A windowed op. ``kind``: one of :data:`WINDOW_KINDS` (conv, maxpool, avgpool, pad
+    (constant), convT, interp: any interpolation, reflect / replicate padding, whose index map
+    per dim is ``attr("maps")``), which says what the passes do with it.
 
     Per spatial dim (H, W of an image; D, H, W of a volume): kernel k, stride s, padding p (the
     leading side), dilation d.
@@ -42,6 +45,8 @@ class Window:
     attrs: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.kind not in WINDOW_KINDS:
+            raise ValueError(f"window kind {self.kind!r} has no entry in WINDOW_KINDS")
         if not self.d:
             object.__setattr__(self, "d", (1,) * len(self.k))
 
@@ -53,14 +58,67 @@ class Window:
     def attr(self, name: str, default: Any = None) -> Any:
         return dict(self.attrs).get(name, default)
 
+    @property
+    def rule(self) -> WindowKind:
+        """What the passes do with this kind of window (:data:`WINDOW_KINDS`)."""
+        return WINDOW_KINDS[self.kind]
+
     def needs(self, out: Interval, dim: int) -> Interval:
         """Input interval (global; may pass the borders) for output interval ``out``."""
-        k, s, p, d = self.k[dim], self.s[dim], self.p[dim], self.d[dim]
-        if self.kind == "interp":  # fxpar.runtime.spatial.interp.AxisMap per dim
-            return self.attr("maps")[dim].needs(out)
-        if self.kind == "convT":
-            return transposed_rows(out, k, s, p, d)
-        return window_rows(out, k, s, p, d)
+        return self.rule.needs(self, out, dim)
+
+    def scale(self, dim: int) -> Fraction:
+        """Input cells per output cell along ``dim`` (the stride, for a receptive field)."""
+        return self.rule.scale(self, dim)
+
+
+@dataclass(frozen=True)
+class WindowKind:
+    """What the passes need to know about one kind of windowed op: one entry of
+    :data:`WINDOW_KINDS` per kind. The analysis (spatial regions, halo widths, receptive fields,
+    halo fusion) reads only this; a new kind is an entry here and its tile op: an entry of
+    ``TILE_OPS`` in fxpar.passes.halo (the op on the assembled window), or, with ``halo_op``,
+    its kernel in ``HaloOp`` (fxpar.runtime.spatial.ops)."""
+
+    needs: Callable[[Window, Interval, int], Interval]
+    """The input interval (global; may pass the borders) output interval ``out`` reads along
+    ``dim``."""
+    scale: Callable[[Window, int], Fraction]
+    """Input cells per output cell along ``dim`` (receptive fields, fxpar.compiler.receptive)."""
+    clamped: bool = False
+    """Reads past the border repeat border cells (interpolation, reflect / replicate padding),
+    so a window is clipped to the image instead of filled."""
+    halo_op: bool = False
+    """Runs as one ``HaloOp`` (fxpar.runtime.spatial.ops: the exchange fused with the op, which
+    keeps only the tile and the halo pieces for backward); such ops can share a halo group
+    (fxpar.passes.halo_fusion). Otherwise the window is assembled and ``TILE_OPS`` runs on it."""
+
+
+def _rows(w: Window, out: Interval, dim: int) -> Interval:
+    return window_rows(out, w.k[dim], w.s[dim], w.p[dim], w.d[dim])
+
+
+def _strided(w: Window, dim: int) -> Fraction:
+    return Fraction(w.s[dim])
+
+
+def _interp_scale(w: Window, dim: int) -> Fraction:
+    m = w.attr("maps")[dim]  # fxpar.runtime.spatial.interp.AxisMap
+    return Fraction(1) if m.mode in ("reflect", "replicate") else Fraction(m.size_in, m.size_out)
+
+
+WINDOW_KINDS: dict[str, WindowKind] = {
+    "conv": WindowKind(_rows, _strided, halo_op=True),
+    "maxpool": WindowKind(_rows, _strided, halo_op=True),
+    "avgpool": WindowKind(_rows, _strided, halo_op=True),
+    "pad": WindowKind(_rows, lambda w, dim: Fraction(1)),  # constant padding, or a crop
+    "convT": WindowKind(lambda w, out, dim: transposed_rows(out, w.k[dim], w.s[dim], w.p[dim],
+                                                            w.d[dim]),
+                        lambda w, dim: Fraction(1, w.s[dim])),
+    "interp": WindowKind(lambda w, out, dim: w.attr("maps")[dim].needs(out), _interp_scale,
+                         clamped=True),
+}
+"""Every kind of windowed op, by :attr:`Window.kind`."""
 
 
 @dataclass(frozen=True)
