@@ -36,7 +36,10 @@ def P(**kw):  # noqa: N802
 
 
 def case_gems_lp_resnet18():
-    check(Case(_resnet18_tv, (4, 3, 32, 32), P(stages=2, gems=True)))
+    # 8 images: each GEMS copy's micro-batch of 4 keeps layer4's BatchNorm (1x1 at 32x32)
+    # well conditioned (with 2, one process's step-2 gradients move by 2.5e-3 for a 1e-15
+    # change of the input)
+    check(Case(_resnet18_tv, (8, 3, 32, 32), P(stages=2, gems=True)))
 
 
 def case_gems_pp_times2_amoebanet():
