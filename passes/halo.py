@@ -126,7 +126,7 @@ def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
     else:
         win = _halo(ctx, n, x, needs, op.fill)
         with g.inserting_before(n):
-            new = _tile_op(ctx, n, op, win, own, need, in_ext, out_ext)
+            new = _tile_op(ctx, n, op, win, own, need)
     _replace(g, n, new)
 
 
@@ -188,8 +188,8 @@ def _crop(g: fx.Graph, x: fx.Node, box: Rect) -> fx.Node:
                                                   *(slice(*iv) for iv in box.dims))))
 
 
-def _tile_op(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect, need: Rect,
-             in_ext: tuple[int, ...], out_ext: tuple[int, ...]) -> fx.Node:
+def _tile_op(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect, need: Rect
+             ) -> fx.Node:
     """Window op ``n`` on its assembled window ``win`` (:data:`TILE_OPS`), giving ``own``."""
     tile_op = TILE_OPS.get(op.kind)
     if tile_op is None:

@@ -28,13 +28,10 @@ P = fxpar.Plan
 
 
 def _resnet() -> torch.nn.Module:
+    """torchvision's resnet18; the other resnet18 cases take the same blocks at a sixteenth
+    of the width (tests/helpers/models.py): fusion groups and their borders follow the kernels
+    and strides, not the channels."""
     return torchvision.models.resnet18(num_classes=5)
-
-
-def _resnet_narrow() -> torch.nn.Module:
-    """The same basic blocks at a sixteenth of the width (tests/helpers/models.py): fusion
-    groups and their borders follow the kernels and strides, not the channels."""
-    return resnet18_narrow()
 
 
 def _amoeba() -> torch.nn.Module:
@@ -56,7 +53,7 @@ def _unet3d() -> torch.nn.Module:
 CASES: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...], fxpar.Plan, bool]] = {
     "resnet18_sp4_square_all": (_resnet, (2, 3, 64, 64), P(spatial_parts=4, halo_fusion="all"),
                                 False),
-    "resnet18_sp3_horizontal_uneven_all": (_resnet_narrow, (2, 3, 70, 52),
+    "resnet18_sp3_horizontal_uneven_all": (resnet18_narrow, (2, 3, 70, 52),
                                            P(spatial_parts=3, slice="horizontal",
                                              halo_fusion="all"), False),
     "amoeba_sp4_square_all": (_amoeba, (2, 3, 48, 48), P(spatial_parts=4, halo_fusion="all"),
@@ -74,7 +71,7 @@ CASES: dict[str, tuple[Callable[[], torch.nn.Module], tuple[int, ...], fxpar.Pla
     "unet_sp2_gems_all": (_unet, (4, 3, 32, 32),
                           P(stages=2, spatial_parts=2, gems=True, microbatches=2,
                             halo_fusion="all"), True),
-    "resnet18_sp2_dp2_all_recompute": (_resnet_narrow, (4, 3, 64, 64),
+    "resnet18_sp2_dp2_all_recompute": (resnet18_narrow, (4, 3, 64, 64),
                                        P(spatial_parts=2, data_parallel=2, halo_fusion="all",
                                          recompute="always"), False),
 }
@@ -127,7 +124,7 @@ def case_fusion_sends_fewer_messages_for_the_same_loss() -> None:
     if comm is None:
         return
     torch.manual_seed(0)
-    model = _resnet_narrow().double()
+    model = resnet18_narrow().double()
     x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
     y = torch.randint(0, 5, (2,))
     loss0, sent0 = _step(model, P(spatial_parts=4), comm, x, y)
@@ -150,7 +147,7 @@ def case_harness_catches_border_statistics() -> None:
     try:
         caught = outside = False
         try:  # None: a rank outside the plan's 4 (the case runs in a launch of more)
-            outside = check(Case(_resnet_narrow, (2, 3, 64, 64),
+            outside = check(Case(resnet18_narrow, (2, 3, 64, 64),
                                  P(spatial_parts=4, halo_fusion="all"))) is None
         except AssertionError:
             caught = True

@@ -14,12 +14,6 @@ def _resnet18():
     return tvm.resnet18(num_classes=5)
 
 
-def _resnet18_narrow():
-    """The same blocks at a sixteenth of the width (tests/helpers/models.py), for the
-    schedules of 3 and 4 stages."""
-    return resnet18_narrow()
-
-
 def _resnet50():
     return tvm.resnet50(num_classes=5)
 
@@ -56,11 +50,11 @@ def case_resnet18_lp2():
 
 
 def case_resnet18_pp4_gpipe_s4():
-    check(Case(_resnet18_narrow, (8, 3, 64, 64), P(stages=4, microbatches=4, schedule="gpipe")))
+    check(Case(resnet18_narrow, (8, 3, 64, 64), P(stages=4, microbatches=4, schedule="gpipe")))
 
 
 def case_resnet18_pp2_1f1b_s3():
-    check(Case(_resnet18_narrow, (4, 3, 64, 64), P(stages=3, microbatches=2, schedule="1f1b")))
+    check(Case(resnet18_narrow, (4, 3, 64, 64), P(stages=3, microbatches=2, schedule="1f1b")))
 
 
 def case_resnet50_pp2_s2():
