@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,10 @@ class Stream:
     args: list[str]
     after: str | None = None
     """The stream whose end this one waits for (None: it starts at once)."""
+    captures: bool = True
+    """Its processes share the run's capture folder (``FXPAR_CAPTURE_CACHE``): a model
+    captured by one launch (one fault job, one batch of cases) is read back by the next
+    instead of traced again. tests/unit does not: its tests of capturing must capture."""
 
 
 def streams() -> dict[str, Stream]:
@@ -55,7 +60,7 @@ def streams() -> dict[str, Stream]:
     rest = [f for f in files if f not in MANY_RANKS + TIMED]
     timed = "tests/mpi, bound by wall time"
     return {
-        "tests/unit": Stream(["--durations=5", str(HERE / "unit")]),
+        "tests/unit": Stream(["--durations=5", str(HERE / "unit")], captures=False),
         timed: Stream(["--durations=5", *(str(MPI / f) for f in TIMED)]),
         "tests/mpi, 8-rank launch": Stream(["--durations=8", *(str(MPI / f) for f in MANY_RANKS)],
                                        after=timed),
@@ -64,9 +69,9 @@ def streams() -> dict[str, Stream]:
     }
 
 
-def run(plan: dict[str, Stream], env: dict[str, str]) -> dict[str, int]:
+def run(plan: dict[str, Stream], env: dict[str, str], captures: Path) -> dict[str, int]:
     """Run every stream of ``plan``, each as soon as the one it waits for has ended; print each
-    report when it ends; their exit codes."""
+    report when it ends; their exit codes. ``captures``: the run's capture folder."""
     logs = {name: Path(HERE.parent / f".test-{i}.log") for i, name in enumerate(plan)}
     start = time.monotonic()
     procs: dict[str, subprocess.Popen] = {}
@@ -75,8 +80,10 @@ def run(plan: dict[str, Stream], env: dict[str, str]) -> dict[str, int]:
         for name, stream in plan.items():
             if name not in procs and (stream.after is None or stream.after in codes):
                 with open(logs[name], "w") as out:
+                    mine = {**env, "FXPAR_CAPTURE_CACHE": str(captures)} if stream.captures \
+                        else {k: v for k, v in env.items() if k != "FXPAR_CAPTURE_CACHE"}
                     procs[name] = subprocess.Popen([*PYTEST, *stream.args], stdout=out,
-                                                   stderr=subprocess.STDOUT, env=env)
+                                                   stderr=subprocess.STDOUT, env=mine)
         for name, proc in procs.items():
             if name not in codes and proc.poll() is not None:
                 codes[name] = proc.returncode
@@ -92,7 +99,8 @@ def main() -> int:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
            f"{os.environ.get('PATH', '')}"}  # mpiexec of this environment
     start = time.monotonic()
-    codes = run(streams(), env)
+    with tempfile.TemporaryDirectory(prefix="fxpar-captures-") as captures:
+        codes = run(streams(), env, Path(captures))
     failed = [name for name, code in codes.items() if code != 0]
     print(f"== make test: {len(codes)} streams in {time.monotonic() - start:.0f} s; "
           f"{'failed: ' + ', '.join(failed) if failed else 'all passed'} ==", flush=True)

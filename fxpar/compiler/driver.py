@@ -25,6 +25,7 @@ from fxpar.core import meta
 from fxpar.core.geometry import Grid
 from fxpar.core.messages import check_tags, tag_uses
 from fxpar.core.meta import TensorInfo
+from fxpar.core.options import setting
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.roles import chunks_per_copy, stage_groups
 from fxpar.core.schedule import Links, Schedule, pipeline, place
@@ -240,7 +241,8 @@ def compile(  # noqa: A001 - the public name the design fixes
         captures the model itself.
     captures: a :class:`fxpar.CaptureCache`: a model of the same structure as one compiled
         before with it, for an input of the same shape and dtype, is not captured again (rank 0
-        looks it up, and sends it as above).
+        looks it up, and sends it as above). None: one kept in the folder ``FXPAR_CAPTURE_CACHE``
+        names, when set (fxpar.frontend.capture_store), else none.
 
     Before it returns, every rank's messages and collectives of one step are simulated
     together (fxpar.compiler.lower): a schedule that would deadlock or cross its messages
@@ -258,6 +260,8 @@ def compile(  # noqa: A001 - the public name the design fixes
     else:
         example = torch.empty(mb_shape, device="meta",
                               dtype=next((p.dtype for p in model.parameters()), torch.float32))
+    if captures is None and setting("capture_cache"):
+        captures = CaptureCache(setting("capture_cache"))
     gm = shared_trace(model, example, comm, captures)  # shapes are per micro-batch
     gm = run_passes(gm, plan, PASSES, after=after_pass)
     check_coverage(gm, plan)

@@ -74,6 +74,11 @@ OPTIONS: dict[str, Option] = {
         "FXPAR_FAULT", "", "RANK:STEP:KIND[:ARG],...",
         "Faults to inject, to test recovery: raise, caught-raise, sigkill, stall, nan-loss, "
         "slow-rank or corrupt-checkpoint on RANK at STEP (docs/failures.md); unset: none."),
+    "capture_cache": Option(
+        "FXPAR_CAPTURE_CACHE", "", "folder",
+        "Keep each model capture (torch.export) in this folder and reuse it in later "
+        "processes that compile a model of the same structure, code and input shape "
+        "(fxpar.frontend.capture_store); unset: every process captures its model."),
     "halo_window": Option(
         "FXPAR_HALO_WINDOW", "0", "1 | 0",
         "1: every halo convolution assembles its whole input window first (the path before "

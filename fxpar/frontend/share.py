@@ -18,6 +18,7 @@ rank waits for a graph that never comes.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from torch import fx, nn
 from fxpar.comm.protocol import Comm
 from fxpar.core.fxgraph import graph_module
 from fxpar.frontend.capture import TraceError
+from fxpar.frontend.capture_store import CaptureStore, code_digest
 from fxpar.frontend.trace import trace
 
 KEPT_META = ("nn_module_stack", "stack_trace")
@@ -199,7 +201,8 @@ def _place(root: nn.Module, path: str, mod: nn.Module | None) -> nn.Module:
 
 
 class CaptureCache:
-    """Captures kept for later models of the same structure, in this process.
+    """Captures kept for later models of the same structure: in this process, and in
+    ``folder`` for later processes.
 
     ``fxpar.compile(model, plan, x, captures=cache)`` looks ``model`` up by its structure (see
     :func:`structure`) and the example input's shape and dtype: the first such model is traced,
@@ -207,21 +210,37 @@ class CaptureCache:
     ranks of a job do. For compiling one model under several plans, or many models of a few
     kinds (a test suite). The structure is what the module tree shows -- classes, training
     modes, tensors, and every plain attribute -- not the ``forward`` code's free variables: a
-    model whose graph depends on a global setting must not share a cache across that setting."""
+    model whose graph depends on a global setting must not share a cache across that setting.
 
-    def __init__(self) -> None:
+    folder: also keep each capture there, and look there first (fxpar.frontend.capture_store:
+    the files are keyed by the source of the model's packages and fxpar, and torch's version,
+    as well); ``FXPAR_CAPTURE_CACHE`` gives every compile without ``captures`` such a cache."""
+
+    def __init__(self, folder: str | os.PathLike[str] | None = None) -> None:
         self._packed: dict[tuple[object, ...], bytes] = {}
+        self.store = CaptureStore(folder) if folder else None
         self.hits = 0
         """How many captures were taken from the cache instead of traced."""
+        self.disk_hits = 0
+        """How many of those were read from ``folder``."""
 
     def packed(self, model: nn.Module, example: torch.Tensor | Sequence[int]) -> bytes:
         """:func:`pack` of ``model``'s trace at ``example``: kept, or traced now and kept."""
         key = (_signature(model, example), structure(model))
         if key in self._packed:
             self.hits += 1
+            return self._packed[key]
+        disk = repr((key, code_digest(model))) if self.store is not None else ""
+        found = self.store.get(disk) if self.store is not None else None
+        if found is not None:
+            self.hits += 1
+            self.disk_hits += 1
         else:
-            self._packed[key] = pack(trace(model, example), model)
-        return self._packed[key]
+            found = pack(trace(model, example), model)
+            if self.store is not None:
+                self.store.put(disk, found)
+        self._packed[key] = found
+        return found
 
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size)

@@ -16,6 +16,7 @@ from torch import nn
 import fxpar
 from fxpar.comm.mpi import Comm
 from fxpar.comm.world import world
+from fxpar.core.options import setting
 from helpers.equivalence import (
     ATOL64_LATER,
     RTOL64,
@@ -61,11 +62,13 @@ def sub_comm(n: int) -> Comm | None:
     return sub if w.rank < n else None
 
 
-CAPTURES = fxpar.CaptureCache()
+CAPTURES = fxpar.CaptureCache(setting("capture_cache") or None)
 """One per process, that is per launch of cases: a case whose model has the structure of an
 earlier case's (the same classes, settings and tensor shapes) at the same input shape compiles
-from that case's capture, as ranks of one job do from rank 0's. A wrong match could only make a
-comparison fail, never pass: the reference is the eager model, which no capture touches."""
+from that case's capture, as ranks of one job do from rank 0's; with ``FXPAR_CAPTURE_CACHE``
+(tests/streams.py sets it for the MPI streams) also from a capture an earlier launch of the run
+kept there. A wrong match could only make a comparison fail, never pass: the reference is the
+eager model, which no capture touches."""
 
 
 def check(case: Case, atol: float | None = None, rtol: float = RTOL64
