@@ -30,6 +30,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import types
 import warnings
 from pathlib import Path
 
@@ -45,15 +46,19 @@ class CaptureStoreWarning(UserWarning):
 
 
 def code_digest(model: nn.Module) -> str:
-    """SHA-256 over torch's version and the files of every loaded module of the top-level
-    packages ``model``'s classes come from, and of fxpar (torch itself: its version)."""
-    tops = {type(m).__module__.partition(".")[0] for m in model.modules()} | {"fxpar"}
+    """SHA-256 over torch's version, the files that define the methods of ``model``'s classes,
+    and the files of every loaded module of the top-level packages they come from and of
+    fxpar (torch itself: its version)."""
+    classes = {type(m) for m in model.modules()}
+    tops = {c.__module__.partition(".")[0] for c in classes} | {"fxpar"}
     tops.discard("torch")
-    files = sorted({f for name, mod in list(sys.modules.items())
-                    if name.partition(".")[0] in tops
-                    and (f := getattr(mod, "__file__", None)) is not None})
+    files = {f for name, mod in list(sys.modules.items()) if name.partition(".")[0] in tops
+             and (f := getattr(mod, "__file__", None)) is not None}
+    for c in classes:  # also a class of a file loaded without a sys.modules entry
+        files |= {v.__code__.co_filename for v in vars(c).values()
+                  if isinstance(v, types.FunctionType)}
     h = hashlib.sha256(torch.__version__.encode())
-    for f in files:
+    for f in sorted(files):
         h.update(f.encode())
         try:
             h.update(Path(f).read_bytes())

@@ -5,6 +5,7 @@ input or a damaged file traces anew; a folder others may write to is refused wit
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -142,3 +143,22 @@ def test_a_second_process_reads_what_the_first_kept(tmp_path):
                            cwd=ROOT, timeout=120) for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-3000:]
     assert [r.stdout.split()[-1] for r in runs] == ["0", "1"]  # the first wrote, the second read
+
+
+def test_a_model_file_loaded_without_a_module_entry_is_keyed_by_its_source(tmp_path):
+    """As the test harness loads its case files (importlib.util, no sys.modules entry)."""
+    path = tmp_path / "loose_net.py"
+
+    def load():
+        spec = importlib.util.spec_from_file_location("loose_net", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    folder = tmp_path / "c"
+    path.write_text(MODEL)
+    fxpar.compile(load().Net().double(), PLAN, SHAPE, captures=fxpar.CaptureCache(folder))
+    path.write_text(MODEL.replace("torch.relu", "torch.tanh"))
+    cache = fxpar.CaptureCache(folder)
+    program = fxpar.compile(load().Net().double(), PLAN, SHAPE, captures=cache)
+    assert cache.disk_hits == 0 and "tanh" in "".join(_codes(program))
