@@ -10,7 +10,6 @@ is rebuilt with the original model's attribute paths, so its parameters carry th
 from __future__ import annotations
 
 import operator
-import warnings
 
 import torch
 from torch import fx
@@ -55,14 +54,14 @@ def mutated_inputs(gm: fx.GraphModule) -> frozenset[int]:
     return frozenset(out)
 
 
-def _own_attribute(sub: fx.GraphModule, placeholder: fx.Node, target: str) -> None:
+def _own_attribute(sub: fx.GraphModule, placeholder: fx.Node, target: str,
+                   body: fx.Node) -> None:
     """split_module passes tensor attributes (a root-level ``weight``) in as inputs; make the
-    stage read them itself, so it owns (and trains) them."""
-    body = next(n for n in sub.graph.nodes if n.op != "placeholder")
-    with sub.graph.inserting_before(body), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Attempted to insert a get_attr Node")
-        warnings.filterwarnings("ignore", "Failed to fetch module")
-        node = sub.graph.get_attr(target)  # the tensor is attached when the stage is rebuilt
+    stage read them itself (a ``get_attr`` before ``body``, its first node after the
+    placeholders), so it owns (and trains) them. The tensor is attached when the stage is
+    rebuilt (:func:`_with_original_names`), so the node is made without looking it up."""
+    with sub.graph.inserting_before(body):
+        node = sub.graph.create_node("get_attr", target)
     node.meta = placeholder.meta.copy()
     placeholder.replace_all_uses_with(node)
     sub.graph.erase_node(placeholder)
@@ -91,10 +90,11 @@ def build_stages(gm: fx.GraphModule) -> StageGraph:
         out_node = next(n for n in sub.graph.nodes if n.op == "output")
         n_outputs[k] = len(out_node.args[0])
         ins: list[StageInput] = []
+        body = next(n for n in sub.graph.nodes if n.op != "placeholder")
         q = -1
         for arg, ph in zip(call.args, sub_inputs, strict=True):
             if arg.op == "get_attr":
-                _own_attribute(sub, ph, str(arg.target))
+                _own_attribute(sub, ph, str(arg.target), body)
                 continue
             q += 1
             if arg in placeholders:
