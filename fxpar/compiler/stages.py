@@ -55,16 +55,17 @@ def mutated_inputs(gm: fx.GraphModule) -> frozenset[int]:
 
 
 def _own_attribute(sub: fx.GraphModule, placeholder: fx.Node, target: str,
-                   body: fx.Node) -> None:
+                   before: fx.Node) -> fx.Node:
     """split_module passes tensor attributes (a root-level ``weight``) in as inputs; make the
-    stage read them itself (a ``get_attr`` before ``body``, its first node after the
-    placeholders), so it owns (and trains) them. The tensor is attached when the stage is
-    rebuilt (:func:`_with_original_names`), so the node is made without looking it up."""
-    with sub.graph.inserting_before(body):
+    stage read them itself (a ``get_attr`` just before ``before``), so it owns (and trains)
+    them. The tensor is attached when the stage is rebuilt (:func:`_with_original_names`), so
+    the node is made without looking it up. Returns the node."""
+    with sub.graph.inserting_before(before):
         node = sub.graph.create_node("get_attr", target)
     node.meta = placeholder.meta.copy()
     placeholder.replace_all_uses_with(node)
     sub.graph.erase_node(placeholder)
+    return node
 
 
 def build_stages(gm: fx.GraphModule) -> StageGraph:
@@ -90,11 +91,13 @@ def build_stages(gm: fx.GraphModule) -> StageGraph:
         out_node = next(n for n in sub.graph.nodes if n.op == "output")
         n_outputs[k] = len(out_node.args[0])
         ins: list[StageInput] = []
-        body = next(n for n in sub.graph.nodes if n.op != "placeholder")
+        # each get_attr goes before the one made before it: the order the stage's parameters
+        # (and so its optimizer state and checkpoints) have always had
+        first = next(n for n in sub.graph.nodes if n.op != "placeholder")
         q = -1
         for arg, ph in zip(call.args, sub_inputs, strict=True):
             if arg.op == "get_attr":
-                _own_attribute(sub, ph, str(arg.target), body)
+                first = _own_attribute(sub, ph, str(arg.target), first)
                 continue
             q += 1
             if arg in placeholders:
