@@ -367,9 +367,10 @@ def test_every_window_kind_has_one_entry_and_a_tile_op():
     from fxpar.core.geometry import transposed_rows, window_rows
     from fxpar.frontend.rules.opkind import WINDOW_KINDS, Window
     from fxpar.passes.halo import TILE_OPS
+    from fxpar.runtime.spatial.kernels import KERNELS
 
     in_halo_op = {k for k, rule in WINDOW_KINDS.items() if rule.halo_op}
-    assert in_halo_op == {"conv", "maxpool", "avgpool"}  # the kinds HaloOp computes
+    assert in_halo_op == set(KERNELS) == {"conv", "maxpool", "avgpool"}  # HaloOp's kernels
     assert set(TILE_OPS) == set(WINDOW_KINDS) - in_halo_op
     conv = Window("conv", (3, 5), (2, 1), (1, 2), (1, 2))
     assert [conv.needs((4, 9), i) for i in range(2)] == \

@@ -78,7 +78,7 @@ class WindowKind:
     :data:`WINDOW_KINDS` per kind. The analysis (spatial regions, halo widths, receptive fields,
     halo fusion) reads only this; a new kind is an entry here and its tile op: an entry of
     ``TILE_OPS`` in fxpar.passes.halo (the op on the assembled window), or, with ``halo_op``,
-    its kernel in ``HaloOp`` (fxpar.runtime.spatial.ops)."""
+    its kernel in ``KERNELS`` (fxpar.runtime.spatial.kernels), which ``HaloOp`` runs."""
 
     needs: Callable[[Window, Interval, int], Interval]
     """The input interval (global; may pass the borders) output interval ``out`` reads along

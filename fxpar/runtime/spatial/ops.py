@@ -28,6 +28,7 @@ from fxpar.core.options import flag
 from fxpar.runtime.spatial import haloconv
 from fxpar.runtime.spatial.batchnorm import TileBatchNorm as TileBatchNorm  # re-export
 from fxpar.runtime.spatial.group import TileOp
+from fxpar.runtime.spatial.kernels import KERNELS
 
 
 def group_key(stage: int, copy: int = 0) -> str:
@@ -148,11 +149,10 @@ class _Retile(torch.autograd.Function):
 
 
 class _HaloOp(torch.autograd.Function):
-    """Halo exchange fused with the windowed op that reads it. The window (tile + halo) is
-    not kept for backward: only the tile (which the previous op saves anyway) and the small
-    received pieces are, so a tile's saved activations stay ~1/P of one device's. Convolution
-    gradients come straight from aten.convolution_backward; pooling gradients from the pool's
-    own backward kernel (max pool keeps its argmax, as on one device; no recomputation).
+    """Halo exchange fused with the windowed op that reads it (its kernel:
+    fxpar.runtime.spatial.kernels). The window (tile + halo) is not kept for backward: only the
+    tile (which the previous op saves anyway), the small received pieces and what the kernel
+    saves are, so a tile's saved activations stay ~1/P of one device's.
 
     A convolution whose geometry allows it never builds the window (haloconv.py):
     the tile's own part runs while the halo travels, the halo's part is added band by band,
@@ -164,21 +164,13 @@ class _HaloOp(torch.autograd.Function):
         split = spec.split(params)
         ctx.spec, ctx.split, ctx.comm = spec, split, spec.group()
         if split is None:
-            window, ctx.pieces = _window(x, spec.exchange, ctx.comm, spec.replicated, spec.tag)
-            if spec.kind == "conv":
-                ctx.save_for_backward(x, *params)
-                return spec.compute(window, *params)
-            # pooling: backward needs the window's shape and, for max, the argmax (which one
-            # device's max_pool keeps too), not the tile or the halo
-            ctx.window_shape, ctx.pieces = window.shape, None
-            if spec.kind == "avgpool":
-                return spec.compute(window)
-            c, nd = spec.cfg, window.dim() - 2
-            with_indices = torch.ops.aten.max_pool3d_with_indices if nd == 3 else \
-                torch.ops.aten.max_pool2d_with_indices
-            out, idx = with_indices(window, _ntuple(c["kernel"], nd), _ntuple(c["stride"], nd),
-                                    [0] * nd, _ntuple(c["dilation"], nd))
-            ctx.save_for_backward(idx)
+            kernel = KERNELS[spec.kind]
+            window, pieces = _window(x, spec.exchange, ctx.comm, spec.replicated, spec.tag)
+            out, saved = kernel.forward(window, spec.cfg, params)
+            ctx.window_shape, ctx.n_params = window.shape, len(params)
+            # the window is rebuilt from the tile and the pieces when backward reads it
+            ctx.pieces = pieces if kernel.needs_window else None
+            ctx.save_for_backward(*((x,) if kernel.needs_window else ()), *params, *saved)
             return out
         ctx.save_for_backward(x, *params)
         ex = spec.exchange
@@ -191,50 +183,23 @@ class _HaloOp(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         spec: HaloOp = ctx.spec
-        need = ctx.needs_input_grad
         if ctx.split is not None:
             x, *params = ctx.saved_tensors
             return (*_split_backward(ctx, g, x, tuple(params)),)
-        if spec.kind != "conv":  # pooling
-            gx = None
-            if need[0]:
-                gx = _window_grad(_pool_grad(spec, ctx, g), spec.exchange, ctx.comm,
-                                  spec.replicated, spec.tag + 1)
-            return gx, None
-        x, *params = ctx.saved_tensors
-        window = _rebuild(x, spec.exchange, spec.replicated, ctx.pieces)
-        weight = params[0]
-        bias_sizes = [weight.shape[0]] if len(params) > 1 else None
-        nd = window.dim() - 2
-        gw, gwt, gb = torch.ops.aten.convolution_backward(
-            g, window, weight, bias_sizes, list(spec.cfg["stride"]), [0] * nd,
-            list(spec.cfg["dilation"]), False, [0] * nd, spec.cfg["groups"],
-            [need[0], need[2], len(params) > 1 and need[3]])
+        kernel = KERNELS[spec.kind]
+        tensors = ctx.saved_tensors
+        window = None
+        if kernel.needs_window:
+            window = _rebuild(tensors[0], spec.exchange, spec.replicated, ctx.pieces)
+            tensors = tensors[1:]
+        params, saved = tensors[:ctx.n_params], tuple(tensors[ctx.n_params:])
+        need = (ctx.needs_input_grad[0], *ctx.needs_input_grad[2:])
+        gwindow, *gparams = kernel.backward(g, window, ctx.window_shape, saved, spec.cfg,
+                                            params, need)
         gx = None
-        if need[0] and gw is not None:
-            gx = _window_grad(gw, spec.exchange, ctx.comm, spec.replicated, spec.tag + 1)
-        return (gx, None, *[gwt, gb][:len(params)])
-
-
-def _pool_grad(spec: HaloOp, ctx: Any, g: torch.Tensor) -> torch.Tensor:
-    """The window's gradient of a max / average pool, without rebuilding the window: the
-    kernels read only its shape (max pool: the saved argmax)."""
-    c = spec.cfg
-    like = g.new_empty(ctx.window_shape)
-    nd = like.dim() - 2
-    aten = torch.ops.aten
-    k, s = _ntuple(c["kernel"], nd), _ntuple(c["stride"], nd)
-    if spec.kind == "maxpool":
-        idx = ctx.saved_tensors[0]
-        backward = aten.max_pool3d_with_indices_backward if nd == 3 else \
-            aten.max_pool2d_with_indices_backward
-        return backward(g, like, k, s, [0] * nd, _ntuple(c["dilation"], nd), False, idx)
-    backward = aten.avg_pool3d_backward if nd == 3 else aten.avg_pool2d_backward
-    return backward(g, like, k, s, [0] * nd, False, True, c.get("divisor_override"))
-
-
-def _ntuple(v: Any, nd: int) -> list[int]:
-    return [int(v)] * nd if isinstance(v, int) else [int(u) for u in v]
+        if need[0] and gwindow is not None:
+            gx = _window_grad(gwindow, spec.exchange, ctx.comm, spec.replicated, spec.tag + 1)
+        return (gx, None, *gparams)
 
 
 def _split_backward(ctx: Any, g: torch.Tensor, x: torch.Tensor,
@@ -374,8 +339,9 @@ class AvgDivisor(nn.Module):
 
 
 class HaloOp(TileOp):
-    """A windowed op on this rank's tile, halo included: ``kind`` conv (args: weight, bias),
-    maxpool or avgpool; the op itself runs with padding 0 on the exchanged window."""
+    """A windowed op on this rank's tile, halo included: ``kind`` names its kernel
+    (fxpar.runtime.spatial.kernels.KERNELS: conv, args weight and bias; maxpool; avgpool),
+    which runs with padding 0 on the exchanged window."""
 
     def __init__(self, exchange: Exchange, key: str, kind: str, cfg: dict[str, Any],
                  replicated: bool = False, tag: int = 10, fused: bool = False) -> None:
@@ -392,7 +358,7 @@ class HaloOp(TileOp):
     def split(self, params: tuple[torch.Tensor, ...]) -> haloconv.Split | None:
         """How this convolution splits into tile and halo parts (None: assemble the window);
         worked out once, from the weight's kernel size."""
-        if self.kind != "conv" or self.replicated:
+        if not KERNELS[self.kind].splits or self.replicated:
             return None
         if not hasattr(self, "_split"):  # FXPAR_HALO_WINDOW=1: assemble every window
             if flag("halo_window"):
@@ -401,19 +367,6 @@ class HaloOp(TileOp):
             self._split = haloconv.plan(self.exchange, kernel, tuple(self.cfg["stride"]),
                                         tuple(self.cfg["dilation"]))
         return self._split
-
-    def compute(self, window: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        c, f = self.cfg, nn.functional
-        volume = window.dim() == 5
-        if self.kind == "conv":
-            conv = f.conv3d if volume else f.conv2d
-            return conv(window, params[0], params[1] if len(params) > 1 else None,
-                        c["stride"], 0, c["dilation"], c["groups"])
-        if self.kind == "maxpool":
-            return (f.max_pool3d if volume else f.max_pool2d)(window, c["kernel"], c["stride"],
-                                                              0, c["dilation"])
-        return (f.avg_pool3d if volume else f.avg_pool2d)(
-            window, c["kernel"], c["stride"], 0, divisor_override=c.get("divisor_override"))
 
     def forward(self, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         return _HaloOp.apply(x, self, *params)
