@@ -9,13 +9,15 @@ input of the same shape and dtype, as ranks of one job already receive rank 0's
 (fxpar.frontend.share).
 
 A file is used only when all of these are equal to the process reading it (its name is a
-SHA-256 over them; its first line, one over its contents, catches a damaged file):
+SHA-256 over them; its second line, one over the rest of its contents, catches a damaged
+file):
 
 - the model's structure (fxpar.frontend.share.structure: classes, settings, tensors), the
   input's shape and dtype;
 - torch's version;
-- the source of every loaded module of the packages the model's classes come from, and of
-  fxpar itself: editing a ``forward`` (or anything else in those packages) misses the cache.
+- the source of the files that define the model classes' methods, and of every loaded module
+  of the packages those classes come from and of fxpar: editing a ``forward`` (or anything
+  else in those packages) misses the cache.
 
 What it cannot see is a global setting that changes the graph without changing the model or
 those files (an environment variable a ``forward`` reads): clear the folder after changing one.

@@ -230,15 +230,17 @@ class CaptureCache:
         if key in self._packed:
             self.hits += 1
             return self._packed[key]
-        disk = repr((key, code_digest(model))) if self.store is not None else ""
-        found = self.store.get(disk) if self.store is not None else None
-        if found is not None:
-            self.hits += 1
-            self.disk_hits += 1
-        else:
+        if self.store is None:
             found = pack(trace(model, example), model)
-            if self.store is not None:
+        else:
+            disk = repr((key, code_digest(model)))
+            found = self.store.get(disk)
+            if found is None:
+                found = pack(trace(model, example), model)
                 self.store.put(disk, found)
+            else:
+                self.hits += 1
+                self.disk_hits += 1
         self._packed[key] = found
         return found
 

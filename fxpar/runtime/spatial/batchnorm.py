@@ -111,16 +111,16 @@ class _SyncBatchNorm(torch.autograd.Function):
             return None, gw, gb, None, None, None, None
         x, weight, mean, var = ctx.saved_tensors
         w = weight if weight is not None else torch.ones_like(mean)
+        invstd = torch.rsqrt(var + ctx.eps)
         # the saved statistics too: CPU's eval form ignores them, CUDA's asserts they are
         # there (torch 2.11, H200: "save_mean should always be defined")
         gx, gw_l, gb_l = torch.ops.aten.native_batch_norm_backward(
-            gy.contiguous(), x, w, mean, var, mean, torch.rsqrt(var + ctx.eps), False, ctx.eps,
-            [True, True, True])
+            gy.contiguous(), x, w, mean, var, mean, invstd, False, ctx.eps, [True, True, True])
         total = ctx.comm.allreduce(torch.stack([gb_l, gw_l]))
         # gx = scale * (gy - sum(gy)/count - xhat * sum(gy * xhat)/count): the first term is
         # gx above; the rest is xhat times a per-channel factor plus a per-channel constant
         # (a fused halo group's border cells are not in the statistics: only the box is)
-        scale = torch.rsqrt(var + ctx.eps) * w
+        scale = invstd * w
         gx[ctx.box] += nn.functional.batch_norm(x[ctx.box], mean, var,
                                                 -scale * total[1] / ctx.count,
                                                 -scale * total[0] / ctx.count, False, 0.0,
