@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fxpar-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test test-quick lint demo clean
+.PHONY: install test test-full test-quick lint demo clean
 
 install: $(STAMP)
 
@@ -26,9 +26,14 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(PY) tests/streams.py
 
+# every long matrix too (docs/testing.md): every library model and 3-D model under every plan,
+# every loss under every plan
+test-full: $(STAMP) lint
+	FXPAR_LIBRARY_MATRIX=1 FXPAR_VOLUME_MATRIX=1 FXPAR_LOSS_MATRIX=1 $(PY) tests/streams.py
+
 # the edit loop: the one-process tests (tests/unit) without the slow ones, no mpiexec
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests/unit
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow" tests/unit
 
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/demo.py

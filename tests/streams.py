@@ -3,12 +3,16 @@
 The files whose jobs must end within a bound of wall time (:data:`TIMED`: fault jobs, launch
 limits, the fuzzer's limits) start first, beside ``tests/unit`` only: a single process, so
 they keep about a core to themselves (beside the MPI streams their watchdog and 90-second bounds
-failed), and they leave the other core idle half the time (alone: 369 s of wall time, 341
-CPU-s). When they end, the other ``tests/mpi`` files start in two streams: :data:`MANY_RANKS`
+failed). When they end, the other ``tests/mpi`` files start in two streams: :data:`MANY_RANKS`
 in one (their cases share one 8-rank launch, tests/helpers/launch.py ``Batch(share=True)``),
 the rest (4 ranks or fewer) in the other, so that no two 8-rank launches meet in memory. Every
 ``tests/mpi`` file runs in exactly one place; a file not named here joins the second MPI
 stream.
+
+``tests/unit`` stays one process: on two pytest-xdist workers it took 353 CPU-s instead of 284
+(each worker imports torch and warms up torch.export, and the captures one process shares are
+made twice), and the machine had no idle core for the second worker to use (measured in one
+``make test`` each: 1,295 s with the second worker and the trimmed cases, 1,320 s before).
 
 Each stream's report is printed whole when it ends; the exit code is non-zero when any failed.
 """

@@ -25,8 +25,8 @@ from fxpar.testing import mpiexec
 pytestmark = pytest.mark.timeout(600)
 
 EXTRAS = {"graphviz", "matplotlib", "timm", "segmentation_models_pytorch", "monai", "pytest",
-          "_pytest", "pytest_timeout", "hypothesis", "importlinter", "import_linter", "grimp",
-          "ruff"}
+          "_pytest", "pytest_timeout", "xdist", "execnet", "hypothesis", "importlinter",
+          "import_linter", "grimp", "ruff"}
 """Top-level packages (and distributions) of the test and viz extras."""
 
 

@@ -1,7 +1,8 @@
 """Models from timm, segmentation-models-pytorch, MONAI and torchvision, unchanged, under a
 real mpiexec vs one process in float64, with the spatial coverage each SP plan must reach
-(tests/mpi/cases/library_cases.py). CI runs every model under SP2 and each other plan on one
-model; FXPAR_LIBRARY_MATRIX=1 runs every (model, plan) pair."""
+(tests/mpi/cases/library_cases.py). CI runs every model under SP2 but three whose blocks another
+CI case trains (``CI_NOT_SP2``), and each other plan on one model; FXPAR_LIBRARY_MATRIX=1 runs
+every (model, plan) pair."""
 
 import os
 
