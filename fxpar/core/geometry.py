@@ -16,6 +16,7 @@ code serves both); no tensors, no MPI. DESIGN.md, "Spatial parallelism: the arit
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 Interval = tuple[int, int]  # [start, stop) in global coordinates; stop may pass the extent
@@ -149,6 +150,15 @@ class Grid:
 
 
 # -- what each op reads ------------------------------------------------------------------------
+def per_dim(v: int | Sequence[int], n: int) -> tuple[int, ...]:
+    """A per-dim argument of a windowed op (a kernel size, stride, padding or dilation: an
+    int, or a list of 1 or ``n`` ints) as ``n`` ints: what ATen's convolutions and pools read."""
+    if isinstance(v, int):
+        return (v,) * n
+    ints = [int(u) for u in v]
+    return tuple(ints) * n if len(ints) == 1 else tuple(ints[-n:])
+
+
 def window_rows(out: Interval, k: int, s: int, p: int, d: int) -> Interval:
     """Input rows a convolution / pooling window needs for output rows ``out``."""
     o0, o1 = out

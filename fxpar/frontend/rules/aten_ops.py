@@ -28,6 +28,7 @@ import torch
 from torch import fx
 
 from fxpar.core import meta
+from fxpar.core.geometry import per_dim
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.opkind import BatchNorm, Norm, Op, Pointwise, Reduce, Window
 from fxpar.frontend.rules.pointwise import POINTWISE as POINTWISE  # re-exported: islands
@@ -87,14 +88,6 @@ def arg(n: fx.Node, i: int, default: Any) -> Any:
         if i < len(names) and names[i] in n.kwargs:
             return n.kwargs[names[i]]
     return default
-
-
-def _ntuple(v: Any, n: int) -> tuple[int, ...]:
-    """A per-dim argument (an int, or a list of 1 or ``n`` ints) as ``n`` ints."""
-    if isinstance(v, int):
-        return (v,) * n
-    v = [int(u) for u in v]
-    return tuple(v) * n if len(v) == 1 else tuple(v[-n:])
 
 
 def _shape(n: Any) -> tuple[int, ...] | None:
@@ -194,8 +187,8 @@ def _conv(n: fx.Node) -> Op | None:
     w = _shape(n.args[1])
     assert w is not None
     nd = len(w) - 2
-    return Window("conv", tuple(w[2:]), _ntuple(arg(n, 3, 1), nd), _ntuple(padding, nd),
-                  _ntuple(arg(n, 5, 1), nd))
+    return Window("conv", tuple(w[2:]), per_dim(arg(n, 3, 1), nd), per_dim(padding, nd),
+                  per_dim(arg(n, 5, 1), nd))
 
 
 @rule(aten.convolution, refusal="only 2-D and 3-D convolutions run on tiles")
@@ -210,24 +203,24 @@ def _conv_transpose(n: fx.Node) -> Op | None:
     w = _shape(n.args[1])
     assert w is not None
     nd = len(w) - 2
-    return _transposed(tuple(w[2:]), _ntuple(arg(n, 3, 1), nd), _ntuple(arg(n, 4, 0), nd),
-                       _ntuple(arg(n, 5, 0), nd), _ntuple(arg(n, 7, 1), nd))
+    return _transposed(tuple(w[2:]), per_dim(arg(n, 3, 1), nd), per_dim(arg(n, 4, 0), nd),
+                       per_dim(arg(n, 5, 0), nd), per_dim(arg(n, 7, 1), nd))
 
 
 @rule(aten.max_pool2d, aten.max_pool3d)
 def _max_pool(n: fx.Node) -> Op | None:
     nd = 2 if n.target.overloadpacket is aten.max_pool2d else 3
-    k, s = _ntuple(arg(n, 1, None), nd), arg(n, 2, None)
-    return Window("maxpool", k, _ntuple(s, nd) if s else k, _ntuple(arg(n, 3, 0), nd),
-                  _ntuple(arg(n, 4, 1), nd), fill=-math.inf,
+    k, s = per_dim(arg(n, 1, None), nd), arg(n, 2, None)
+    return Window("maxpool", k, per_dim(s, nd) if s else k, per_dim(arg(n, 3, 0), nd),
+                  per_dim(arg(n, 4, 1), nd), fill=-math.inf,
                   attrs=(("ceil_mode", bool(arg(n, 5, False))),))
 
 
 @rule(aten.avg_pool2d, aten.avg_pool3d)
 def _avg_pool(n: fx.Node) -> Op | None:
     nd = 2 if n.target.overloadpacket is aten.avg_pool2d else 3
-    k, s = _ntuple(arg(n, 1, None), nd), arg(n, 2, None)
-    return Window("avgpool", k, _ntuple(s, nd) if s else k, _ntuple(arg(n, 3, 0), nd),
+    k, s = per_dim(arg(n, 1, None), nd), arg(n, 2, None)
+    return Window("avgpool", k, per_dim(s, nd) if s else k, per_dim(arg(n, 3, 0), nd),
                   (1,) * nd, attrs=(("ceil_mode", bool(arg(n, 4, False))),
                                     ("count_include_pad", bool(arg(n, 5, True))),
                                     ("divisor_override", arg(n, 6, None))))
@@ -312,10 +305,10 @@ def _convolution(n: fx.Node) -> Op | None:
     if len(w) not in (4, 5):
         return None
     nd = len(w) - 2
-    stride, padding, dilation = (_ntuple(arg(n, i, 1 if i != 4 else 0), nd) for i in (3, 4, 5))
+    stride, padding, dilation = (per_dim(arg(n, i, 1 if i != 4 else 0), nd) for i in (3, 4, 5))
     if not arg(n, 6, False):
         return Window("conv", tuple(w[2:]), stride, padding, dilation)
-    return _transposed(tuple(w[2:]), stride, padding, _ntuple(arg(n, 7, 0), nd), dilation)
+    return _transposed(tuple(w[2:]), stride, padding, per_dim(arg(n, 7, 0), nd), dilation)
 
 
 def _transposed(k: tuple[int, ...], s: tuple[int, ...], p: tuple[int, ...],
@@ -391,7 +384,7 @@ def _adaptive(n: fx.Node) -> Op | None:
     if x is None or len(x) not in (4, 5):
         return None
     nd = len(x) - 2
-    out = _ntuple(arg(n, 1, None), nd)
+    out = per_dim(arg(n, 1, None), nd)
     if out == (1,) * nd:
         return Reduce("mean", True, out)
     if any(e % o for e, o in zip(x[2:], out, strict=True)):

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from fxpar.core.geometry import per_dim
+
 Cfg = dict[str, Any]
 Params = Sequence[torch.Tensor]
 Grads = tuple[torch.Tensor | None, ...]
@@ -42,11 +44,6 @@ class WindowKernel:
     splits: bool = False
     """The op may run its tile part while the halo travels and add the halo's part band by band
     (fxpar.runtime.spatial.haloconv), never building the window."""
-
-
-def ntuple(v: Any, nd: int) -> list[int]:
-    """A size or stride as one int per spatial dim."""
-    return [int(v)] * nd if isinstance(v, int) else [int(u) for u in v]
 
 
 def _conv(window: torch.Tensor, c: Cfg, params: Params
@@ -73,8 +70,8 @@ def _maxpool(window: torch.Tensor, c: Cfg, params: Params
              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     nd = window.dim() - 2
     op = aten.max_pool3d_with_indices if nd == 3 else aten.max_pool2d_with_indices
-    out, idx = op(window, ntuple(c["kernel"], nd), ntuple(c["stride"], nd), [0] * nd,
-                  ntuple(c["dilation"], nd))
+    out, idx = op(window, per_dim(c["kernel"], nd), per_dim(c["stride"], nd), [0] * nd,
+                  per_dim(c["dilation"], nd))
     return out, (idx,)
 
 
@@ -86,8 +83,8 @@ def _maxpool_grad(g: torch.Tensor, window: torch.Tensor | None, shape: torch.Siz
     nd = len(shape) - 2
     op = aten.max_pool3d_with_indices_backward if nd == 3 else \
         aten.max_pool2d_with_indices_backward
-    return (op(g, g.new_empty(shape), ntuple(c["kernel"], nd), ntuple(c["stride"], nd),
-               [0] * nd, ntuple(c["dilation"], nd), False, saved[0]),)
+    return (op(g, g.new_empty(shape), per_dim(c["kernel"], nd), per_dim(c["stride"], nd),
+               [0] * nd, per_dim(c["dilation"], nd), False, saved[0]),)
 
 
 def _avgpool(window: torch.Tensor, c: Cfg, params: Params
@@ -104,7 +101,7 @@ def _avgpool_grad(g: torch.Tensor, window: torch.Tensor | None, shape: torch.Siz
         return (None,)
     nd = len(shape) - 2
     op = aten.avg_pool3d_backward if nd == 3 else aten.avg_pool2d_backward
-    return (op(g, g.new_empty(shape), ntuple(c["kernel"], nd), ntuple(c["stride"], nd),
+    return (op(g, g.new_empty(shape), per_dim(c["kernel"], nd), per_dim(c["stride"], nd),
                [0] * nd, False, True, c.get("divisor_override")),)
 
 
