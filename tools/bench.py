@@ -5,9 +5,11 @@
     python tools/bench.py --report-only            # re-render docs/benchmarks.md from the JSON
 
 Each section is a module ``tools/bench_<name>.py`` (``TITLE``, ``add_args(parser)``,
-``run(opts) -> Section``; the contract is in ``tools/benchlib.py``). Sections run at different
-times live side by side in ``--out``: re-running some with ``--only`` replaces just those, and
-each keeps its own command, date and revision, so the page says what was measured when.
+``run(opts) -> Section``; the contract is in ``tools/benchlib.py``, whose ``compare`` makes a
+plain comparison's whole section from its systems and the limit: one function). Sections run
+at different times live side by side in ``--out``: re-running some with ``--only`` replaces
+just those, and each keeps its own command, date and revision, so the page says what was
+measured when.
 
 The page is generated, so hand-written analysis does not go into it: put it in
 ``docs/bench_notes/<name>.md`` (next to ``--md``), which every render appends under that

@@ -105,17 +105,15 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     builds = _names("real" if getattr(opts, "quick", False) else opts.compile_builds, BUILDS,
                     "--compile-builds")
     cases = [(p, b) for p in plans for b in builds]
-    rounds: list[dict[str, Any]] = []
-    for k in range(opts.rounds):
-        benchlib.progress("compile", k + 1, opts.rounds)
-        rec = {}
-        for plan, build in benchlib.rotate(cases, k):
-            args = ["--worker", "--plan", plan, "--build", build,
-                    f"--image={opts.compile_image_size}", f"--rank={opts.compile_rank}"]
-            rec[f"{plan}/{build}"] = benchlib.measure(
-                benchlib.worker_command("bench_compile.py", args), benchlib.thread_env(1),
-                retries=opts.retries, max_foreign=opts.max_foreign, timeout=opts.timeout)
-        rounds.append(rec)
+
+    def one(case: tuple[str, str], _round: int) -> dict[str, Any]:
+        args = ["--worker", "--plan", case[0], "--build", case[1],
+                f"--image={opts.compile_image_size}", f"--rank={opts.compile_rank}"]
+        return benchlib.measure(
+            benchlib.worker_command("bench_compile.py", args), benchlib.thread_env(1),
+            retries=opts.retries, max_foreign=opts.max_foreign, timeout=opts.timeout)
+
+    rounds = benchlib.interleave("compile", opts.rounds, cases, one, key="/".join)
     return section(rounds, cases, opts)
 
 

@@ -159,21 +159,19 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         calibrate(opts, path)
         profile = Profile.load(path)
     cases = [(m, p) for m in models for p in plans]
-    measured: dict[tuple[str, str], list[float]] = {c: [] for c in cases}
-    memory: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for k in range(opts.rounds):
-        for i, (model, plan) in enumerate(benchlib.rotate(cases, k)):
-            benchlib.progress("costmodel", k + 1, opts.rounds, f"{i + 1}/{len(cases)} {model} "
-                                                               f"{plan}")
-            fields = PLANS[plan]
-            ranks = predict(model, fields, batch, image, profile)["ranks"]
-            args = ["--worker", "--model", model, "--plan", json.dumps(fields), "--image",
-                    str(image), "--batch", str(batch), "--steps", str(steps)]
-            rec = benchlib.measure(benchlib.worker_command("bench_costmodel.py", args, ranks),
-                                   benchlib.thread_env(1), retries=opts.retries,
-                                   max_foreign=opts.max_foreign, timeout=opts.timeout)
-            measured[(model, plan)].append(rec["step_s"])
-            memory[(model, plan)] = rec["memory"]
+
+    def one(case: tuple[str, str], _round: int) -> dict[str, Any]:
+        model, fields = case[0], PLANS[case[1]]
+        ranks = predict(model, fields, batch, image, profile)["ranks"]
+        args = ["--worker", "--model", model, "--plan", json.dumps(fields), "--image",
+                str(image), "--batch", str(batch), "--steps", str(steps)]
+        return benchlib.measure(benchlib.worker_command("bench_costmodel.py", args, ranks),
+                                benchlib.thread_env(1), retries=opts.retries,
+                                max_foreign=opts.max_foreign, timeout=opts.timeout)
+
+    rounds = benchlib.interleave("costmodel", opts.rounds, cases, one, key="/".join)
+    measured = {c: [r["/".join(c)]["step_s"] for r in rounds] for c in cases}
+    memory = {c: rounds[-1]["/".join(c)]["memory"] for c in cases}  # the last round's
     rows, points, errors = [], [], []
     for model, plan in cases:
         pred = predict(model, PLANS[plan], batch, image, profile)

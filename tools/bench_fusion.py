@@ -53,15 +53,11 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
            opts.fusion_amoeba, "steps": 1 if q else opts.fusion_steps,
            "models": [m.strip() for m in opts.fusion_models.split(",") if m.strip()]}
     systems = [*MODES, "ideal"]
-    rounds: list[dict[str, dict[str, Any]]] = []
-    for k in range(opts.rounds):
-        benchlib.progress("fusion", k + 1, opts.rounds)
-        rec: dict[str, dict[str, Any]] = {m: {} for m in cfg["models"]}
-        for model, system in benchlib.rotate([(m, s) for m in cfg["models"] for s in systems],
-                                             k):
-            rec[model][system] = _launch(opts, cfg, model, "ideal" if system == "ideal"
-                                         else "sp", "off" if system == "ideal" else system)
-        rounds.append(rec)
+    flat = benchlib.interleave(
+        "fusion", opts.rounds, [(m, s) for m in cfg["models"] for s in systems],
+        lambda ms, _k: _launch(opts, cfg, ms[0], "ideal" if ms[1] == "ideal" else "sp",
+                               "off" if ms[1] == "ideal" else ms[1]), key="/".join)
+    rounds = [{m: {s: r[f"{m}/{s}"] for s in systems} for m in cfg["models"]} for r in flat]
     return section(rounds, cfg)
 
 

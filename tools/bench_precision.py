@@ -200,12 +200,10 @@ def memory_rows(opts: argparse.Namespace, models: list[str]) -> list[dict[str, A
 def time_rows(opts: argparse.Namespace) -> dict[str, Any]:
     model, image = opts.precision_time_model, opts.precision_time_image
     systems = [(s, p) for s in ("eager", "fxpar") for p in PRECISIONS]
-    times: dict[str, list[float]] = {f"{s} {p}": [] for s, p in systems}
-    for r in range(opts.rounds):
-        benchlib.progress("precision", r + 1, opts.rounds, f"step time {model} {image}^2")
-        for s, p in benchlib.rotate(systems, r):
-            rec = _launch(opts, "time", s, model, image, 1, p, 1, 4)
-            times[f"{s} {p}"].append(rec["time"])
+    rounds = benchlib.interleave(
+        "precision", opts.rounds, systems,
+        lambda sp, _k: _launch(opts, "time", sp[0], model, image, 1, sp[1], 1, 4), key=" ".join)
+    times = {f"{s} {p}": [r[f"{s} {p}"]["time"] for r in rounds] for s, p in systems}
     ratios = {f"{s} {p}/fp32": [a / b for a, b in zip(times[f"{s} {p}"], times[f"{s} fp32"],
                                                        strict=True)]
               for s, p in systems if p != "fp32"}

@@ -140,20 +140,18 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     if bad:
         raise ValueError(f"--single-models: unknown {bad}; choose from {', '.join(MODELS)}")
     cases = [(m, d) for m in models for d in devices(opts.single_device)]
-    rounds: list[dict[str, Any]] = []
-    for k in range(opts.rounds):
-        benchlib.progress("single", k + 1, opts.rounds)
-        rec: dict[str, Any] = {}
-        for model, dev in benchlib.rotate(cases, k):
-            args = ["--worker", "--model", model, "--device", dev,
-                    *[f"--{key}={val}" for key, val in cfg.items()]]
-            if k % 2:
-                args.append("--fxpar-first")
-            rec[f"{model}/{dev}"] = benchlib.measure(
-                benchlib.worker_command("bench_single.py", args),
-                benchlib.thread_env(cfg["threads"]), retries=opts.retries,
-                max_foreign=opts.max_foreign, timeout=opts.timeout)
-        rounds.append(rec)
+
+    def one(case: tuple[str, str], k: int) -> dict[str, Any]:
+        args = ["--worker", "--model", case[0], "--device", case[1],
+                *[f"--{key}={val}" for key, val in cfg.items()]]
+        if k % 2:  # fxpar and eager alternate which runs first inside the worker
+            args.append("--fxpar-first")
+        return benchlib.measure(
+            benchlib.worker_command("bench_single.py", args),
+            benchlib.thread_env(cfg["threads"]), retries=opts.retries,
+            max_foreign=opts.max_foreign, timeout=opts.timeout)
+
+    rounds = benchlib.interleave("single", opts.rounds, cases, one, key="/".join)
     return section(rounds, cases, cfg, opts)
 
 

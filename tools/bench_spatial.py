@@ -382,19 +382,18 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     before = benchlib.snapshot(opts.spatial_before) if opts.spatial_before else None
     if before is not None:
         systems.append("before")
-    rounds: list[dict[str, dict[str, Any]]] = []
-    for k in range(opts.rounds):
-        print(f"spatial: round {k + 1}/{opts.rounds}", file=sys.stderr, flush=True)
-        rec: dict[str, dict[str, Any]] = {m: {} for m in cfg["models"]}
-        for model, system in benchlib.rotate([(m, s) for m in cfg["models"] for s in systems],
-                                             k):
-            if system == "before":
-                assert before is not None
-                rec[model][system] = launch(opts, cfg, "time", model, "sp", parts=2,
-                                            src=before[0])
-            else:
-                rec[model][system] = launch(opts, cfg, "time", model, system, parts=2)
-        rounds.append(rec)
+
+    def one(ms: tuple[str, str], _round: int) -> dict[str, Any]:
+        model, system = ms
+        if system == "before":  # the same SP2 launch, importing fxpar from that commit
+            assert before is not None
+            return launch(opts, cfg, "time", model, "sp", parts=2, src=before[0])
+        return launch(opts, cfg, "time", model, system, parts=2)
+
+    flat = benchlib.interleave("spatial", opts.rounds,
+                               [(m, s) for m in cfg["models"] for s in systems], one,
+                               key="/".join)
+    rounds = [{m: {s: r[f"{m}/{s}"] for s in systems} for m in cfg["models"]} for r in flat]
     halos: dict[str, dict[str, Any]] = {}
     for model in cfg["models"]:
         shape = (cfg["batch"], 3, cfg["image"], cfg["image"])

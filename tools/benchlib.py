@@ -24,6 +24,25 @@ launches). A Section is plain JSON::
 Noise: the machines are small shared VMs. Measure every system of a comparison in the same
 round, rotate their order from round to round, wait for a quiet machine before each launch
 (``wait_quiet``), and report medians and ranges of per-round ratios (``spread``).
+:func:`interleave` is that loop, for every section.
+
+A new benchmark is one function: its ``run`` names the systems it compares, each a
+:class:`System` (a launch, and whether it is the machine's limit), and returns
+:func:`compare`'s Section, which launches them in interleaved rounds, tabulates each figure's
+median and range, and divides each by the baseline and by the limit measured in the same
+rounds::
+
+    TITLE = "SP2 against one process"
+
+    def run(opts):
+        one = benchlib.worker_command("bench_x.py", ["--worker", "--parts", "1"])
+        sp2 = benchlib.worker_command("bench_x.py", ["--worker", "--parts", "2"], ranks=2)
+        half = benchlib.worker_command("bench_x.py", ["--worker", "--half"])
+        env = benchlib.thread_env(1)
+        return benchlib.compare(opts, "x", TITLE, [
+            benchlib.System("one process", one, env), benchlib.System("SP2", sp2, env),
+            benchlib.System("half image, no messages", half, env, limit=True)],
+            baseline="one process", method="...")
 """
 
 from __future__ import annotations
@@ -39,7 +58,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +192,70 @@ def rotate(items: Sequence[Any], round_: int) -> list[Any]:
         return []
     k = round_ % len(items)
     return list(items[k:]) + list(items[:k])
+
+
+def interleave(section: str, rounds: int, systems: Sequence[Any],
+               one: Callable[[Any, int], dict[str, Any]],
+               key: Callable[[Any], str] = str) -> list[dict[str, dict[str, Any]]]:
+    """The harness's rounds: ``one(system, round)`` for every system once per round, in an
+    order rotated by the round (:func:`rotate`), with a progress line per round. One dict per
+    round, ``key(system)`` -> what ``one`` returned (usually :func:`measure`'s record)."""
+    out: list[dict[str, dict[str, Any]]] = []
+    for k in range(rounds):
+        progress(section, k + 1, rounds)
+        out.append({key(s): one(s, k) for s in rotate(systems, k)})
+    return out
+
+
+@dataclass(frozen=True)
+class System:
+    """One side of a comparison: a launch (``measure``'s command and environment) whose last
+    ``BENCH {json}`` line holds the figures (``step_s`` and the like)."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    limit: bool = False
+    """The machine's limit for the others, measured in the same rounds (message-free partial
+    processes, the hardware's own kernel)."""
+
+
+def compare(opts: Any, name: str, title: str, systems: Sequence[System], *, baseline: str,
+            method: str, figure: str = "step_s", unit: str = "s", lower_is_better: bool = True,
+            aims: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """A whole section from its systems: each launched once per round (:func:`interleave` of
+    :func:`measure`, ``opts.rounds`` rounds), then one table row per system: the median and
+    range of ``figure``; its speed-up over ``baseline`` (baseline / this for a time, this /
+    baseline for a rate), per round; and the share of the limit it reaches (limit / this for a
+    time), per round. The limit's own row gives its speed-up: the figure to read each other
+    against."""
+    names = [s.name for s in systems]
+    limits = [s.name for s in systems if s.limit]
+    if baseline not in names or len(set(names)) != len(names) or len(limits) > 1:
+        raise ValueError(f"{name}: systems {names} need unique names, the baseline "
+                         f"{baseline!r} among them and at most one limit (have {limits})")
+    rounds = interleave(name, opts.rounds, systems, lambda s, _k: measure(
+        s.command, s.env, retries=opts.retries, max_foreign=opts.max_foreign,
+        timeout=opts.timeout), key=lambda s: s.name)
+
+    def ratios(a: str, b: str) -> dict[str, float]:
+        pairs = [(r[a][figure], r[b][figure]) for r in rounds]
+        return spread([x / y if lower_is_better else y / x for x, y in pairs])
+
+    columns = ["system", f"{figure} ({unit})", f"speed-up over {baseline}"] + \
+        (["share of the limit"] if limits else [])
+    rows = []
+    for s in names:
+        row = [s + (" (limit)" if s in limits else ""),
+               fmt_spread(spread([r[s][figure] for r in rounds]), digits=3),
+               fmt_spread(ratios(baseline, s), "x")]
+        if limits:
+            row.append(fmt_spread(ratios(limits[0], s), "x"))
+        rows.append(row)
+    return {"name": name, "title": title, "method": method + f" {len(rounds)} round(s), "
+            "systems in rotated order, each launch after a quiet spell; median (range).",
+            "tables": [{"title": title, "columns": columns, "rows": rows}], "plots": [],
+            "aims": list(aims), "notes": "", "raw": {"rounds": rounds}}
 
 
 def peak_rss_mib() -> float:

@@ -203,3 +203,32 @@ def test_predict_section_limits_overlap_and_accuracy_rows():
     assert by["fxpar-predict SP1"][5].startswith("2.10")  # 2048² / 1e6 / 2 s wall
     assert [r[4] for r in acc["rows"]] == ["0 (none)"] * 4 + ["83886 px (2 %)"]
     assert acc["rows"][-1][3] == "0.5" and "(2048² image)" in acc["title"]
+
+
+def test_a_benchmark_of_one_function_runs_interleaved_rounds_beside_its_limit(monkeypatch):
+    """``benchlib.compare``: each system launched once per round in a rotated order; the table
+    has each figure's median and range, its speed-up over the baseline and its share of the
+    limit measured in the same rounds (fake launches: a system's time is its command)."""
+    benchlib = importlib.import_module("benchlib")  # as the sections import it (tools/bench.py
+    launched = []  # puts tools/ on sys.path)
+
+    def fake_measure(cmd, env, **_):
+        launched.append(cmd[0])
+        return {"step_s": float(cmd[0]) * (1.0 + 0.1 * (len(launched) > 3))}
+
+    monkeypatch.setattr(benchlib, "measure", fake_measure)
+    monkeypatch.setattr(benchlib, "progress", lambda *_a, **_k: None)
+    opts = argparse.Namespace(rounds=2, retries=0, max_foreign=0.25, timeout=9.0)
+    systems = [benchlib.System("one", ["4.0"], {}), benchlib.System("sp2", ["2.5"], {}),
+               benchlib.System("halves", ["2.0"], {}, limit=True)]
+    sec = benchlib.compare(opts, "x", "SP2", systems, baseline="one", method="M.")
+    assert launched == ["4.0", "2.5", "2.0", "2.5", "2.0", "4.0"]  # round 2 rotated by one
+    bench.check_section(sec)
+    rows = {r[0]: r[1:] for r in sec["tables"][0]["rows"]}
+    assert sec["tables"][0]["columns"][2:] == ["speed-up over one", "share of the limit"]
+    assert rows["one"][1] == "1.00x (1.00-1.00x)" and rows["sp2"][1] == "1.60x (1.60-1.60x)"
+    assert rows["halves (limit)"][1] == "2.00x (2.00-2.00x)"
+    assert rows["sp2"][2] == "0.80x (0.80-0.80x)" and rows["halves (limit)"][2].startswith("1.00x")
+    assert rows["sp2"][0] == "2.625 (2.500-2.750)"  # median and range over the two rounds
+    with pytest.raises(ValueError, match="baseline 'eager'"):
+        benchlib.compare(opts, "x", "SP2", systems, baseline="eager", method="M.")
