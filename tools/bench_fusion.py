@@ -57,7 +57,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         "fusion", opts.rounds, [(m, s) for m in cfg["models"] for s in systems],
         lambda ms, _k: _launch(opts, cfg, ms[0], "ideal" if ms[1] == "ideal" else "sp",
                                "off" if ms[1] == "ideal" else ms[1]), key="/".join)
-    rounds = [{m: {s: r[f"{m}/{s}"] for s in systems} for m in cfg["models"]} for r in flat]
+    rounds = benchlib.nested(flat)
     return section(rounds, cfg)
 
 

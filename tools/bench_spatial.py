@@ -393,7 +393,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     flat = benchlib.interleave("spatial", opts.rounds,
                                [(m, s) for m in cfg["models"] for s in systems], one,
                                key="/".join)
-    rounds = [{m: {s: r[f"{m}/{s}"] for s in systems} for m in cfg["models"]} for r in flat]
+    rounds = benchlib.nested(flat)
     halos: dict[str, dict[str, Any]] = {}
     for model in cfg["models"]:
         shape = (cfg["batch"], 3, cfg["image"], cfg["image"])

@@ -198,12 +198,29 @@ def interleave(section: str, rounds: int, systems: Sequence[Any],
                one: Callable[[Any, int], dict[str, Any]],
                key: Callable[[Any], str] = str) -> list[dict[str, dict[str, Any]]]:
     """The harness's rounds: ``one(system, round)`` for every system once per round, in an
-    order rotated by the round (:func:`rotate`), with a progress line per round. One dict per
-    round, ``key(system)`` -> what ``one`` returned (usually :func:`measure`'s record)."""
+    order rotated by the round (:func:`rotate`), with a progress line per launch naming the
+    system. One dict per round, ``key(system)`` -> what ``one`` returned (usually
+    :func:`measure`'s record)."""
     out: list[dict[str, dict[str, Any]]] = []
     for k in range(rounds):
-        progress(section, k + 1, rounds)
-        out.append({key(s): one(s, k) for s in rotate(systems, k)})
+        rec: dict[str, dict[str, Any]] = {}
+        for i, s in enumerate(rotate(systems, k)):
+            progress(section, k + 1, rounds, f"{i + 1}/{len(systems)} {key(s)}")
+            rec[key(s)] = one(s, k)
+        out.append(rec)
+    return out
+
+
+def nested(rounds: list[dict[str, dict[str, Any]]]) -> list[dict[str, dict[str, Any]]]:
+    """:func:`interleave`'s rounds keyed ``"model/system"`` as ``{model: {system: record}}``
+    (split at the first ``/``)."""
+    out: list[dict[str, dict[str, Any]]] = []
+    for r in rounds:
+        two: dict[str, dict[str, Any]] = {}
+        for k, rec in r.items():
+            outer, _, inner = k.partition("/")
+            two.setdefault(outer, {})[inner] = rec
+        out.append(two)
     return out
 
 

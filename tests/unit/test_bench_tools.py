@@ -230,5 +230,7 @@ def test_a_benchmark_of_one_function_runs_interleaved_rounds_beside_its_limit(mo
     assert rows["halves (limit)"][1] == "2.00x (2.00-2.00x)"
     assert rows["sp2"][2] == "0.80x (0.80-0.80x)" and rows["halves (limit)"][2].startswith("1.00x")
     assert rows["sp2"][0] == "2.625 (2.500-2.750)"  # median and range over the two rounds
+    assert benchlib.nested([{"r18/sp": {"t": 1}, "r18/ideal": {"t": 2}, "unet/sp": {"t": 3}}]) \
+        == [{"r18": {"sp": {"t": 1}, "ideal": {"t": 2}}, "unet": {"sp": {"t": 3}}}]
     with pytest.raises(ValueError, match="baseline 'eager'"):
         benchlib.compare(opts, "x", "SP2", systems, baseline="eager", method="M.")
