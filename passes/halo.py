@@ -133,8 +133,8 @@ def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
 def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, ex: Exchange, own: Rect,
            in_ext: tuple[int, ...], out_ext: tuple[int, ...], local: bool = False) -> fx.Node:
     """One HaloOp node: exchange + op, keeping only the tile and the halo pieces for
-    backward (see fxpar.runtime.spatial.ops._HaloOp). ``own``: the output region this tile
-    computes; ``local``: inside a fused halo group (the window is already here)."""
+    backward (``fxpar::halo_op``, fxpar.runtime.spatial.library). ``own``: the output region
+    this tile computes; ``local``: inside a fused halo group (the window is already here)."""
     g = ctx.gm.graph
     args: tuple[Any, ...] = (x,)
     if op.kind == "conv":

@@ -5,7 +5,7 @@
     AmoebaNet-D at 1024x1024. Each round launches every system as a fresh process, in rotated
     order, after a quiet spell (``benchlib.measure``); the ratio is taken within the round.
 (c) Halo bytes: the bytes fxpar's halo exchanges really send in one train step (``Comm.isend``
-    counted while ``fxpar.runtime.spatial.ops._window`` / ``_window_grad`` run) against a minimum
+    counted while the halo ops of fxpar.runtime.spatial.library run) against a minimum
     computed here from the model alone: for each conv / pool / pad layer, the input cells each
     tile's outputs read that lie in other tiles, x channels x batch x bytes; backward sends the
     same amount back. Layers that read the model input are not counted: every rank reads its

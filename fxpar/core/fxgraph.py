@@ -26,6 +26,15 @@ def graph_module(root: torch.nn.Module | dict[str, object], graph: fx.Graph,
     return _LazyGraphModule(root, graph, class_name)
 
 
+def generated(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its code generated now (in place): what ``torch.compile`` needs, since
+    TorchDynamo does not trace a code generation still pending (torch 2.14: "Attempted to
+    inline function marked as skipped ... _LazyGraphModule._lazy_forward"). A copy of a
+    GraphModule (``copy.deepcopy``) defers its code again."""
+    _LazyGraphModule.force_recompile(gm)
+    return gm
+
+
 @contextmanager
 def lazy_code() -> Iterator[None]:
     """GraphModules that torch.fx builds inside (``split_module``'s) generate their code on

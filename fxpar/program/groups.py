@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import fx, nn
+from torch import fx
 
 from fxpar.comm.mpi import Comm
 from fxpar.core.roles import chunks_per_copy, first_chunk, stage_groups
@@ -58,13 +58,11 @@ def stage_syncs(program: CompiledProgram, rank: int, stages: dict[tuple[int, int
             for s, ms in sorted(members.items())]
 
 
-def tile_groups(program: CompiledProgram, rank: int, comms: dict[GroupKey, Comm],
-                modules: list[nn.Module]) -> TileGroups:
-    """``rank``'s tile-group communicators by key, bound to the tile ops of ``modules``."""
+def tile_groups(program: CompiledProgram, rank: int, comms: dict[GroupKey, Comm]
+                ) -> TileGroups:
+    """``rank``'s tile-group communicators by key (bound for each step it runs)."""
     rm = program.rank_map
     dp = rm.dp_index(rank)
     named = {group_key(r.stage, r.copy): comms[("tiles", r.copy, r.stage, dp)]
              for r in rm.roles_of(rank) if ("tiles", r.copy, r.stage, dp) in comms}
-    groups = TileGroups(named, modules)
-    groups.bind()
-    return groups
+    return TileGroups(named)

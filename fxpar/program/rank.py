@@ -80,7 +80,7 @@ class RankProgram:
         plan = program.plan
         self._comms = communicators(program, rank, comm)
         self.syncs = stage_syncs(program, rank, stages, self._comms)
-        self.groups = tile_groups(program, rank, self._comms, self._modules())
+        self.groups = tile_groups(program, rank, self._comms)
         self.tile_loss = self._make_tile_loss()
         """The loss on this rank's tiles of a tiled output (fxpar.program.tileloss), else None."""
         self.runtime = Runtime(
@@ -107,7 +107,7 @@ class RankProgram:
         speaks = self.program.rank_map.dp_index(self.rank) == 0 and any(
             r.copy == 0 and r.tile == 0 and r.stage == last for r in roles)
         return TileLoss(self.program.loss_tiles, self.program.loss_fn, info.grid,
-                        info.out_extent, last, self.groups, lambda: self.device, speaks)
+                        info.out_extent, last, lambda: self.device, speaks)
 
     def _buffers(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}
@@ -161,7 +161,6 @@ class RankProgram:
         self._closed = True
         for sync in self.syncs:
             sync.close()
-        self.groups.unbind()
         for sub in self._comms.values():
             sub.free()
         self._comms = {}
@@ -271,12 +270,12 @@ class RankProgram:
         factor = self.loss_scale.scale if self.loss_scale is not None else 1.0
         state = StepState(xs, list(_split_target(y, n)),  # type: ignore[arg-type]
                           scale=factor / n, step=step)
-        self.groups.bind()  # tile modules may be shared with another rank program of this Program
         for sync in self.syncs:
             sync.reset()
             if self._merge_stats():
                 sync.begin()
-        self.runtime.run(state)
+        with self.groups.bound():  # the tile ops' communicators, for this step
+            self.runtime.run(state)
         total = sum(state.losses, torch.zeros((), dtype=torch.float64))
         if self.comm is not None and self.comm.size > 1:
             self.comm.allreduce(total)  # only the last stage's ranks hold losses
@@ -359,8 +358,7 @@ class RankProgram:
         state = StepState(xs, [None] * n, scale=1.0, train=False)  # type: ignore[arg-type]
         actions = [a for a in self.program.schedule[self.rank]
                    if a.kind in ("F", "SEND_F", "RECV_F")]
-        self.groups.bind()
-        with torch.no_grad():
+        with self.groups.bound(), torch.no_grad():
             self.runtime.run(state, actions)
         results = dict(state.results)
         info, tiling = self.program.spatial, self.runtime.tiling
@@ -368,11 +366,10 @@ class RankProgram:
         if info is not None and tiling is not None and info.out_tiled and tiling.spatial(last):
             rects = tuple(info.grid.tile_rect(info.out_extent, u) for u in range(info.grid.size))
             per_copy = chunks_per_copy(self.plan)
-            with torch.no_grad():  # tiles of the output: join them, per model copy
-                for chunk in sorted(results):
+            with self.groups.bound(), torch.no_grad():  # tiles of the output: join them,
+                for chunk in sorted(results):  # per model copy
                     c = (chunk // per_copy) % self.plan.copies
                     join = Join(rects, tiling.tiles[c], group_key(last, c))
-                    join.comm = self.groups[join.key]
                     results[chunk] = join(results[chunk])
         if self.comm is not None and (self.plan.copies > 1 or self.plan.data_parallel > 1):
             merged: dict[int, Any] = {}  # each copy / replica has its own chunks' outputs

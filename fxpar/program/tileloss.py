@@ -18,7 +18,6 @@ from torch import nn
 
 from fxpar.core.geometry import Grid
 from fxpar.runtime.loop import LossFn, LossTiles, targets_of
-from fxpar.runtime.spatial.group import TileGroups
 from fxpar.runtime.spatial.lossops import JoinedLoss, image_layout
 from fxpar.runtime.spatial.ops import group_key
 
@@ -46,10 +45,10 @@ class TileLoss:
     """``(copy, tile, output tile, whole targets) -> loss`` for one rank program."""
 
     def __init__(self, factory: LossTilesFactory | None, loss_fn: LossFn, grid: Grid,
-                 extent: tuple[int, ...], stage: int, groups: TileGroups,
+                 extent: tuple[int, ...], stage: int,
                  device: Callable[[], torch.device], speaks: bool) -> None:
         self.factory, self.loss_fn, self.grid, self.extent = factory, loss_fn, grid, extent
-        self.stage, self.groups, self.device, self.speaks = stage, groups, device, speaks
+        self.stage, self.device, self.speaks = stage, device, speaks
         self.plans: dict[tuple[Spec, ...], LossTiles] = {}
         self.modules: dict[tuple[Any, ...], nn.Module] = {}
 
@@ -79,7 +78,6 @@ class TileLoss:
         module = self.modules.get(key)
         if module is None:
             module = self.modules[key] = plan.build(tile, copy).to(self.device())
-            self.groups.add(module)
         box = self.grid.tile_rect(self.extent, tile).dims
         local = [t[(..., *(slice(*iv) for iv in box))] if cut else t
                  for t, cut in zip(targets, plan.sliced, strict=True)]

@@ -285,7 +285,7 @@ class Runtime:
             ins = [x.clone() if i in self.graph.mutated_inputs[a.stage] and x.requires_grad
                    else x for i, x in enumerate(ins)]
         if st.train and a.stage in self.recompute:  # nothing saved: the B recomputes it
-            with torch.no_grad(), recording(module, self.device) as st.records[key]:
+            with torch.no_grad(), recording(self.device) as st.records[key]:
                 outs = self._run(a, st, module, ins)
             st.outputs[key] = outs
             return
@@ -328,7 +328,7 @@ class Runtime:
         if self.graph.mutated_inputs:
             ins = [x.clone() if i in self.graph.mutated_inputs[a.stage] and x.requires_grad
                    else x for i, x in enumerate(ins)]
-        with torch.enable_grad(), replaying(module, st.records[key]):
+        with torch.enable_grad(), replaying(st.records[key]):
             outs = self._run(a, st, module, ins)
         del st.records[key]
         return outs

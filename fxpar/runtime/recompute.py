@@ -20,7 +20,7 @@ them back after the backward, since BatchNorm's backward reads them).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from fxpar.comm.mpi import Comm
-from fxpar.runtime.spatial.group import TileOp
+from fxpar.runtime.spatial.group import bound, current
 
 
 def recomputed_stages(mode: str, stages: int) -> frozenset[int]:
@@ -129,35 +129,22 @@ class Record:
     cuda_rng: list[torch.Tensor] | None = None
 
 
-def _tile_ops(module: nn.Module) -> list[TileOp]:
-    return [m for m in module.modules() if isinstance(m, TileOp) and m.comm is not None]
+def _wrapped(make: Callable[[Comm], _Recording]) -> dict[str, Any]:
+    """The current tile-group binding with each communicator wrapped once by ``make``."""
+    comms = current()
+    wrap: dict[int, _Recording] = {}
+    for comm in comms.values():
+        if id(comm) not in wrap:
+            wrap[id(comm)] = make(comm)
+    return {key: wrap[id(comm)] for key, comm in comms.items()}
 
 
 @contextmanager
-def _swapped(ops: Sequence[TileOp], wrap: dict[int, Any]) -> Iterator[None]:
-    """Each op's communicator replaced by ``wrap[id(comm)]`` for the duration."""
-    old = [op.comm for op in ops]
-    for op in ops:
-        op.comm = wrap[id(op.comm)]  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        for op, comm in zip(ops, old, strict=True):
-            op.comm = comm
-
-
-@contextmanager
-def recording(module: nn.Module, device: torch.device) -> Iterator[Record]:
+def recording(device: torch.device) -> Iterator[Record]:
     """The first forward of a recomputed stage: run it inside; the record comes back."""
     rec = Record(rng=torch.get_rng_state(),
                  cuda_rng=torch.cuda.get_rng_state_all() if device.type == "cuda" else None)
-    ops = _tile_ops(module)
-    wrap: dict[int, Any] = {}
-    for op in ops:
-        key = id(op.comm)
-        if key not in wrap:
-            wrap[key] = _Recording(op.comm, rec.logs.setdefault(key, []))  # type: ignore[arg-type]
-    with _swapped(ops, wrap):
+    with bound(_wrapped(lambda c: _Recording(c, rec.logs.setdefault(id(c), [])))):
         yield rec
 
 
@@ -177,14 +164,13 @@ def restore(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
 
 
 @contextmanager
-def replaying(module: nn.Module, rec: Record) -> Iterator[None]:
+def replaying(rec: Record) -> Iterator[None]:
     """The recompute: run the stage's forward again inside (with autograd on). It sees the
     first forward's messages and random numbers, and its tile ops keep a communicator that is
     the real one again afterwards (for the backward of what it built). Buffers: see
     :func:`buffers` and :func:`restore`."""
-    ops = _tile_ops(module)
-    wrap = {key: _Replaying(ops_comm, rec.logs.get(key, []))
-            for key, ops_comm in {id(op.comm): op.comm for op in ops}.items()}
+    comms = _wrapped(lambda c: _Replaying(c, rec.logs.get(id(c), [])))
+    wrap: list[_Replaying] = list({id(w): w for w in comms.values()}.values())
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if rec.cuda_rng is not None else None
     assert rec.rng is not None
@@ -192,15 +178,15 @@ def replaying(module: nn.Module, rec: Record) -> Iterator[None]:
     if rec.cuda_rng is not None:
         torch.cuda.set_rng_state_all(rec.cuda_rng)
     try:
-        with _swapped(ops, wrap):
+        with bound(comms):
             yield
-            for w in wrap.values():
+            for w in wrap:
                 if w.log:
                     raise RuntimeError("recompute: the replayed forward made fewer exchanges "
                                        "than the first forward (the stage computes "
                                        "differently the second time)")
     finally:
-        for w in wrap.values():
+        for w in wrap:
             w.replaying = False  # the backward of the recomputed graph talks for real
         torch.set_rng_state(rng)
         if cuda_rng is not None:

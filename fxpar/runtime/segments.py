@@ -138,13 +138,13 @@ class Segmented:
 
         @contextmanager
         def first() -> Iterator[None]:
-            with recording(self.gm, self.device) as rec:
+            with recording(self.device) as rec:
                 held.append(rec)
                 yield
 
         @contextmanager
         def again() -> Iterator[None]:
-            with replaying(self.gm, held[0]):
+            with replaying(held[0]):
                 yield
 
         return first(), again()

@@ -99,7 +99,7 @@ def _tile_loss_with(target: Any) -> None:
     from fxpar.core.geometry import Grid
     from fxpar.program.tileloss import TileLoss
 
-    TileLoss(None, F.cross_entropy, Grid(2, 1), (8, 8), 0, None, lambda: torch.device("cpu"),
+    TileLoss(None, F.cross_entropy, Grid(2, 1), (8, 8), 0, lambda: torch.device("cpu"),
              False)(0, 0, torch.zeros(2, 3, 4, 8), target)  # type: ignore[arg-type]
 
 

@@ -16,7 +16,7 @@ from fxpar.core import meta
 from fxpar.core.meta import TensorInfo
 from fxpar.core.plan import PlanError
 from fxpar.runtime.scale import LossScale
-from fxpar.runtime.spatial.batchnorm import global_moments
+from fxpar.runtime.spatial.moments import global_moments
 
 CASES, NAMES = cases_in("precision_cases.py")
 aten = torch.ops.aten

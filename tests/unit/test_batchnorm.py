@@ -6,79 +6,19 @@ E[x^2] - E[x]^2 formula loses every digit (shown inline as a control)."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from helpers.threads import Hub, ThreadComm, run_threads
 from torch import nn
 
 from fxpar.core.geometry import Grid
-from fxpar.runtime.spatial.batchnorm import batch_norm, local_moments, merge_moments
+from fxpar.runtime.spatial.batchnorm import batch_norm
+from fxpar.runtime.spatial.group import bound
+from fxpar.runtime.spatial.moments import local_moments, merge_moments
 
 EPS, MOMENTUM = 1e-5, 0.1
-
-
-class _Hub:
-    """What the threads of one tile group share."""
-
-    def __init__(self, size: int) -> None:
-        self.barrier = threading.Barrier(size, timeout=60)
-        self.slots: list[Any] = [None] * size
-        self.calls: list[tuple[int, str]] = []
-        self.lock = threading.Lock()
-
-
-class ThreadComm:
-    """Rank ``rank`` of a tile group whose ranks are threads of this process."""
-
-    def __init__(self, hub: _Hub, rank: int) -> None:
-        self.hub, self.rank, self.size = hub, rank, len(hub.slots)
-
-    def _exchange(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
-        hub = self.hub
-        with hub.lock:
-            hub.calls.append((self.rank, what))
-        hub.slots[self.rank] = t.detach().clone()
-        hub.barrier.wait()
-        out = [s.clone() for s in hub.slots]
-        hub.barrier.wait()
-        return out
-
-    def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return self._exchange(t, "allgather")
-
-    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        assert op == "sum"
-        parts = self._exchange(t, "allreduce")
-        total = parts[0]
-        for p in parts[1:]:  # rank order on every rank: identical results
-            total = total + p
-        return t.copy_(total)
-
-
-def run_threads(size: int, fn: Callable[[ThreadComm], Any]) -> tuple[list[Any], _Hub]:
-    """``fn(comm)`` on ``size`` threads, one per rank; their results in rank order."""
-    hub = _Hub(size)
-    results: list[Any] = [None] * size
-    errors: list[BaseException] = []
-
-    def body(rank: int) -> None:
-        try:
-            results[rank] = fn(ThreadComm(hub, rank))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(e)
-            hub.barrier.abort()
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results, hub
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, g: torch.Tensor,
@@ -100,7 +40,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, g: torch.Tensor
 
 
 def tiled(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, g: torch.Tensor, grid: Grid,
-          steps: int) -> tuple[dict[str, Any], _Hub]:
+          steps: int) -> tuple[dict[str, Any], Hub]:
     """The same on the tiles of ``grid``, one thread per tile, in ``x``'s dtype: the whole
     output and input gradient put together, parameter gradients summed over the tiles (the
     stage's ALLREDUCE), each rank's running statistics."""
@@ -114,11 +54,12 @@ def tiled(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, g: torch.Tensor, gr
         rm, rv = torch.zeros(c, dtype=x.dtype), torch.ones(c, dtype=x.dtype)
         nbt = torch.zeros((), dtype=torch.long)
         count = x.shape[0] * extent[0] * extent[1]
-        for step in range(steps):
-            y = batch_norm(xt if step == steps - 1 else xt.detach(), wt, bt, rm, rv, nbt,
-                           batch_stats=True, update=True, momentum=MOMENTUM, eps=EPS,
-                           comm=comm, count=count)  # type: ignore[arg-type]
-        (y * g[:, :, r.h[0]:r.h[1], r.w[0]:r.w[1]].to(x.dtype)).sum().backward()
+        with bound({"c0s0": comm}):  # type: ignore[dict-item]
+            for step in range(steps):
+                y = batch_norm(xt if step == steps - 1 else xt.detach(), wt, bt, rm, rv, nbt,
+                               batch_stats=True, update=True, momentum=MOMENTUM, eps=EPS,
+                               key="c0s0", count=count)
+            (y * g[:, :, r.h[0]:r.h[1], r.w[0]:r.w[1]].to(x.dtype)).sum().backward()
         return {"rect": r, "y": y.detach(), "gx": xt.grad, "gw": wt.grad, "gb": bt.grad,
                 "running_mean": rm, "running_var": rv}
 
@@ -220,7 +161,7 @@ def test_eval_mode_uses_running_statistics_without_a_communicator():
     x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
     rm, rv = torch.randn(3, dtype=torch.float64), torch.rand(3, dtype=torch.float64) + 0.5
     y = batch_norm(x, None, None, rm, rv, None, batch_stats=False, update=False,
-                   momentum=MOMENTUM, eps=EPS, comm=None, count=32)
+                   momentum=MOMENTUM, eps=EPS, key=None, count=32)
     torch.testing.assert_close(y, nn.functional.batch_norm(x, rm, rv, eps=EPS))
 
 
@@ -243,9 +184,9 @@ def _group_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, g: torch.Tens
         xt = x[:, :, r.h[0]:r.h[1], r.w[0]:r.w[1]].clone().requires_grad_()
         wt, bt = (v.to(x.dtype).clone().requires_grad_() for v in (w, b))
         op = TileGroupNorm(groups, EPS, "c0s0", c // groups * h * wd)
-        op.comm = comm  # type: ignore[assignment]
-        y = op(xt, wt, bt)
-        (y * g[:, :, r.h[0]:r.h[1], r.w[0]:r.w[1]].to(x.dtype)).sum().backward()
+        with bound({"c0s0": comm}):  # type: ignore[dict-item]
+            y = op(xt, wt, bt)
+            (y * g[:, :, r.h[0]:r.h[1], r.w[0]:r.w[1]].to(x.dtype)).sum().backward()
         return {"rect": r, "y": y.detach(), "gx": xt.grad, "gw": wt.grad, "gb": bt.grad}
 
     parts, hub = run_threads(grid.size, rank)

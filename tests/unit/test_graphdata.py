@@ -13,7 +13,8 @@ import torchvision.models as tvm
 
 import fxpar
 from fxpar.core.plan import PlanError
-from fxpar.program.graphdata import build, decode, encode, graph_data
+from fxpar.core.values import decode, encode
+from fxpar.program.graphdata import build, graph_data
 from fxpar.program.loader import load
 
 

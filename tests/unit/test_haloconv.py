@@ -110,9 +110,9 @@ def test_thin_tiles_keep_the_window_path():
 
 
 def test_window_assembly_pads_exactly_outside_the_image():
-    """fxpar.runtime.spatial.ops._rebuild (the window path) writes the tile and the pieces, and the
-    pad value only outside the image, for tiles and for a replicated tensor."""
-    from fxpar.runtime.spatial.ops import _rebuild
+    """fxpar.runtime.spatial.exchange.rebuild (the window path) writes the tile and the
+    pieces, and the pad value only outside the image, for tiles and for a replicated tensor."""
+    from fxpar.runtime.spatial.exchange import rebuild as _rebuild
 
     gen = torch.Generator().manual_seed(0)
     for (h, w), grid_shape, k, s, p in itertools.product(

@@ -41,6 +41,8 @@ class WindowKernel:
     needs_window: bool = False
     """Backward reads the window's values (rebuilt from the tile and the received pieces), not
     only its shape."""
+    saves: bool = False
+    """Forward saves one tensor for backward (``saved`` holds one, else none)."""
     splits: bool = False
     """The op may run its tile part while the halo travels and add the halo's part band by band
     (fxpar.runtime.spatial.haloconv), never building the window."""
@@ -107,7 +109,7 @@ def _avgpool_grad(g: torch.Tensor, window: torch.Tensor | None, shape: torch.Siz
 
 KERNELS: dict[str, WindowKernel] = {
     "conv": WindowKernel(_conv, _conv_grad, needs_window=True, splits=True),
-    "maxpool": WindowKernel(_maxpool, _maxpool_grad),
+    "maxpool": WindowKernel(_maxpool, _maxpool_grad, saves=True),
     "avgpool": WindowKernel(_avgpool, _avgpool_grad),
 }
 """Every kind a HaloOp runs, by its ``kind``."""

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from fxpar.comm.mpi import Comm
 from fxpar.runtime.spatial.group import TileOp
 from fxpar.runtime.spatial.norms import group_sum
 from fxpar.runtime.spatial.ops import Join
@@ -25,26 +24,10 @@ from fxpar.runtime.spatial.ops import Join
 KINDS = ("sum", "mean", "amax", "amin", "any", "all", "norm")
 
 
-class _GroupExtreme(torch.autograd.Function):
-    """``amax`` / ``amin`` over ``dims`` of the whole tensor; the gradient is split evenly
-    over the cells equal to the extreme, on every tile (as one device does)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dims: tuple[int, ...], op: str,
-                comm: Comm) -> torch.Tensor:
-        local = x.amax(dim=dims, keepdim=True) if op == "max" else x.amin(dim=dims, keepdim=True)
-        m = comm.allreduce(local.contiguous(), op=op)
-        at = x == m
-        count = comm.allreduce(at.sum(dim=dims, keepdim=True).to(x.dtype))
-        ctx.save_for_backward(at, count)
-        ctx.comm = comm
-        return m
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        at, count = ctx.saved_tensors
-        g = ctx.comm.allreduce(g.contiguous().clone())
-        return at * (g / count), None, None, None
+def _extreme(x: torch.Tensor, dims: tuple[int, ...], op: str, key: str) -> torch.Tensor:
+    """``amax`` / ``amin`` over ``dims`` of the whole tensor; the gradient is split evenly over
+    the cells equal to the extreme, on every tile (as one device does)."""
+    return torch.ops.fxpar.group_extreme(x, key, list(dims), op)[0]
 
 
 class TileReduceDims(TileOp):
@@ -69,30 +52,31 @@ class TileReduceDims(TileOp):
         dims = tuple(d % x.dim() for d in self.dims) if x.dim() else ()
         if self.dtype is not None:
             x = x.to(self.dtype)
-        comm = self.group()
+        key = self.key
         if self.kind in ("any", "all"):
             local = x.bool().any(dim=dims, keepdim=True) if self.kind == "any" else \
                 x.bool().all(dim=dims, keepdim=True)
-            y = comm.allreduce(local.to(torch.int32), op="max" if self.kind == "any"
-                               else "min").bool()
+            y = torch.ops.fxpar.allreduce(local.to(torch.int32), key,
+                                          "max" if self.kind == "any" else "min").bool()
         elif self.kind in ("amax", "amin"):
-            y = _GroupExtreme.apply(x, dims, "max" if self.kind == "amax" else "min", comm)
+            y = _extreme(x, dims, "max" if self.kind == "amax" else "min", key)
         elif self.kind == "norm":
-            y = self._norm(x, dims, comm)
+            y = self._norm(x, dims, key)
         else:
-            y = group_sum(x.sum(dim=dims, keepdim=True), comm)
+            y = group_sum(x.sum(dim=dims, keepdim=True), key)
             if self.kind == "mean":
                 y = y / self.count
         return y if self.keepdim else _squeeze(y, dims)
 
-    def _norm(self, x: torch.Tensor, dims: tuple[int, ...], comm: Comm) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, dims: tuple[int, ...], key: str) -> torch.Tensor:
         p = self.ord
         if math.isinf(p):
-            return _GroupExtreme.apply(x.abs(), dims, "max" if p > 0 else "min", comm)
+            return _extreme(x.abs(), dims, "max" if p > 0 else "min", key)
         if p == 0:
-            return comm.allreduce((x != 0).sum(dim=dims, keepdim=True).to(x.dtype))
+            return torch.ops.fxpar.allreduce((x != 0).sum(dim=dims, keepdim=True).to(x.dtype),
+                                             key, "sum").detach()
         part = x.abs() if p == 1 else x * x if p == 2 else x.abs().pow(p)
-        total = group_sum(part.sum(dim=dims, keepdim=True), comm)
+        total = group_sum(part.sum(dim=dims, keepdim=True), key)
         return total if p == 1 else total.sqrt() if p == 2 else total.pow(1.0 / p)
 
     def extra_repr(self) -> str:

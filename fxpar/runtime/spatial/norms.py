@@ -8,10 +8,10 @@ fxpar.runtime.spatial.batchnorm does (exact in float32 also when the mean is lar
 spread: never E[x^2] - E[x]^2). Instance norm without running statistics is group norm with one
 channel per group.
 
-The collectives are differentiable: :func:`group_gather` (an allgather; each rank's use of the
-gathered values contributes to the gradient of every tile's, so its backward is an allreduce)
-and :func:`group_sum` (an allreduce, whose backward is an allreduce again). Everything else is
-ordinary autograd on the tile.
+The collectives are fxpar's differentiable custom ops (fxpar.runtime.spatial.library):
+:func:`group_gather` (an allgather; each rank's use of the gathered values contributes to the
+gradient of every tile's, so its backward is an allreduce) and :func:`group_sum` (an allreduce,
+whose backward is an allreduce again). Everything else is ordinary autograd on the tile.
 """
 
 from __future__ import annotations
@@ -20,45 +20,20 @@ from typing import Any
 
 import torch
 
-from fxpar.comm.mpi import Comm
-from fxpar.runtime.spatial.batchnorm import stats_dtype
+from fxpar.runtime.spatial import library as _library  # noqa: F401  (defines torch.ops.fxpar)
 from fxpar.runtime.spatial.group import TileOp
+from fxpar.runtime.spatial.moments import stats_dtype
 
 
-class _GroupSum(torch.autograd.Function):
-    """The sum over the tile group of a tensor every rank holds (replicated result)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
-        return comm.allreduce(x.contiguous().clone())
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.comm.allreduce(g.contiguous().clone()), None
+def group_sum(x: torch.Tensor, key: str) -> torch.Tensor:
+    """Sum of ``x`` over the ranks of tile group ``key``, differentiable (``fxpar::allreduce``)."""
+    return torch.ops.fxpar.allreduce(x, key, "sum")
 
 
-def group_sum(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """Sum of ``x`` over the ranks of ``comm`` (a tile group), differentiable."""
-    return _GroupSum.apply(x, comm)
-
-
-class _GroupGather(torch.autograd.Function):
-    """Every rank's ``x`` (same shape on all), stacked in rank order (replicated result)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
-        return torch.stack(comm.allgather(x.contiguous()))
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.comm.allreduce(g.contiguous().clone())[ctx.comm.rank], None
-
-
-def group_gather(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """``x`` of every rank of ``comm`` (a tile group), stacked in rank order, differentiable."""
-    return _GroupGather.apply(x, comm)
+def group_gather(x: torch.Tensor, key: str) -> torch.Tensor:
+    """``x`` of every rank of tile group ``key``, stacked in rank order, differentiable
+    (``fxpar::allgather``)."""
+    return torch.ops.fxpar.allgather(x, key)
 
 
 class TileGroupNorm(TileOp):
@@ -77,12 +52,11 @@ class TileGroupNorm(TileOp):
         n, c = x.shape[:2]
         # statistics in float32 for bfloat16 / float16 tiles (Plan(precision=...))
         xg = x.reshape(n, self.groups, -1).to(stats_dtype(x))
-        comm = self.group()
         local = xg.mean(-1)
         d = xg - local.unsqueeze(-1)  # deviations from this tile's mean
         # [count, mean, M2] of every tile, merged in rank order (the module doc)
         tiles = group_gather(torch.stack([torch.full_like(local, xg.shape[-1]), local,
-                                          (d * d).sum(-1)]), comm)
+                                          (d * d).sum(-1)]), self.key)
         counts, means, m2s = tiles.unbind(1)
         total = counts.sum(0)
         mean = (counts * means).sum(0) / total

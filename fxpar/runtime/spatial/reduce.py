@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from fxpar.comm.mpi import Comm
 from fxpar.core.geometry import Interval
 from fxpar.runtime.spatial.group import TileOp
 from fxpar.runtime.spatial.norms import group_sum
@@ -49,26 +48,6 @@ def bin_sizes(extent: int, out: int) -> torch.Tensor:
 
 def _spatial(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(2, x.dim()))
-
-
-class _GlobalMax(torch.autograd.Function):
-    """``amax`` over the spatial dims of the whole image; gradient split evenly over the
-    ties."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        m = comm.allreduce(x.amax(dim=_spatial(x), keepdim=True).contiguous(), op="max")
-        at = x == m
-        count = comm.allreduce(at.sum(dim=_spatial(x), keepdim=True).to(x.dtype))
-        ctx.save_for_backward(at, count)
-        ctx.comm = comm
-        return m
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        at, count = ctx.saved_tensors
-        g = ctx.comm.allreduce(g.contiguous().clone())
-        return at * (g / count), None
 
 
 class TileReduce(TileOp):
@@ -105,9 +84,9 @@ class TileReduce(TileOp):
         if self.kind == "bins":
             return self._bins(x)
         if self.kind == "amax":
-            y = _GlobalMax.apply(x, self.group())
+            y = torch.ops.fxpar.group_extreme(x, self.key, list(_spatial(x)), "max")[0]
         else:
-            y = group_sum(x.sum(dim=_spatial(x), keepdim=True), self.group())
+            y = group_sum(x.sum(dim=_spatial(x), keepdim=True), self.key)
             if self.kind == "mean":
                 y = y / math.prod(self.extent)
         return y if self.keepdim else y.flatten(2).squeeze(-1)
@@ -124,7 +103,7 @@ class TileReduce(TileOp):
                     part.narrow(2 + d, 0, 0)  # none of the bin's rows is on this tile
                 pieces.append(rows.sum(2 + d, keepdim=True))
             part = torch.cat(pieces, 2 + d)
-        return group_sum(part, self.group()) / self._sizes.to(x)
+        return group_sum(part, self.key) / self._sizes.to(x)
 
     def extra_repr(self) -> str:
         size = "x".join(map(str, self.extent))

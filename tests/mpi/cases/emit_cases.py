@@ -15,6 +15,7 @@ from helpers.transparency import sgd, sub_comm
 import fxpar
 from fxpar.cli.run import main as fxpar_run
 from fxpar.comm.world import world
+from fxpar.core.fxgraph import generated
 from fxpar.program.loader import load
 
 
@@ -88,3 +89,89 @@ def case_fxpar_run_runs_a_saved_program_and_refuses_another_world_size():
     comm.barrier()
     # 4 ranks for a 3-rank program: every rank says so and exits 2 (no communication)
     assert fxpar_run([str(folder), "--steps", "1"]) == 2
+
+
+class _EveryTileOp(torch.nn.Module):
+    """A net whose spatial stage calls every communicating fxpar op: a convolution split
+    around its halo and synchronised BatchNorm on the replicated image's tiles, a max pool,
+    GroupNorm (an allgather of the moments), bilinear upsampling after a plain halo, a global
+    mean (allreduce) and max (group_extreme), and a cumsum that ends the region (join)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.c1, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.c2, self.gn = nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear")
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(torch.relu(self.bn(self.c1(x))))
+        x = self.up(torch.relu(self.gn(self.c2(x))))
+        side = torch.cumsum(x[:, :1], dim=2).mean((1, 2, 3))
+        return self.fc(x.mean((2, 3)) + x.amax((2, 3))) + side.unsqueeze(1)
+
+
+def _run_stage(module, x: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Forward and backward of one stage module: its output, every parameter's gradient and
+    every buffer after the step."""
+    xr = x.clone().requires_grad_()
+    (out,) = module(xr)  # a stage returns a tuple
+    (out * g).sum().backward()
+    module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper: the names inside
+    got = {"out": out.detach(), "grad of the input": xr.grad}
+    got |= {f"grad of {n}": p.grad for n, p in module.named_parameters()}
+    got |= {f"buffer {n}": b for n, b in module.named_buffers()}
+    return got
+
+
+def case_a_spatial_stage_is_an_aten_graph_that_exports_saves_loads_and_compiles():
+    """fxpar's communicating ops are torch.library custom ops (fxpar.runtime.spatial.library):
+    each rank's spatial stage exports with torch.export without communicating (fake kernels),
+    holds only ATen and fxpar ops, survives torch.export.save / load, and compiles with
+    torch.compile(fullgraph=True) through AOTAutograd (forward and backward graphs). The loaded
+    and the compiled stage then run their messages for real under mpiexec and give bit for bit
+    the output, the input and parameter gradients and the BatchNorm buffers of the stage
+    module fxpar built."""
+    import operator
+
+    comm = sub_comm(2)
+    if comm is None:
+        return
+    torch.manual_seed(0)
+    model = _EveryTileOp().double()
+    shape = (2, 3, 32, 32)
+    program = fxpar.compile(model, fxpar.Plan(spatial_parts=2),
+                            torch.empty(shape, dtype=torch.float64, device="meta"), comm=comm)
+    rp = program.local(comm)
+    (stage,) = rp.stages.values()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, dtype=torch.float64, generator=gen)
+    g = torch.randn((2, 5), dtype=torch.float64, generator=gen)
+    built, twin = copy.deepcopy(stage), copy.deepcopy(stage)
+    exported = torch.export.export(copy.deepcopy(stage), (x,), strict=False)  # no binding
+    ops = {n.target for n in exported.graph.nodes if n.op == "call_function"}
+    spaces = {t.namespace for t in ops if isinstance(t, torch._ops.OpOverload)}
+    assert spaces == {"aten", "fxpar"}, spaces
+    assert {t for t in ops if not isinstance(t, torch._ops.OpOverload)} <= {operator.getitem,
+                                                                             operator.ge}
+    fx_ops = {t.name() for t in ops if isinstance(t, torch._ops.OpOverload)
+              and t.namespace == "fxpar"}
+    assert fx_ops == {f"fxpar::{op}" for op in ("halo", "halo_op", "sync_batch_norm",
+                                                "allgather", "allreduce", "group_extreme",
+                                                "join")}, fx_ops
+    folder = _shared_dir(comm)
+    path = folder / f"stage{comm.rank}.pt2"
+    torch.export.save(exported, path)
+    loaded = torch.export.load(path).module()
+    compiled = torch.compile(generated(twin), fullgraph=True, backend="aot_eager")
+    with rp.groups.bound():
+        want = _run_stage(built, x, g)
+        for name, module in (("loaded", loaded), ("compiled", compiled)):
+            got = _run_stage(module, x, g)
+            assert set(got) == set(want), (name, set(got) ^ set(want))
+            for k, v in want.items():
+                assert torch.equal(got[k], v), f"{name} stage: {k} differs by " \
+                    f"{(got[k] - v).abs().max().item():.3g}"
+    rp.close()

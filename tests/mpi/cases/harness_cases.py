@@ -35,7 +35,7 @@ from torch import nn
 import fxpar
 from fxpar.comm.world import world
 from fxpar.runtime import loop
-from fxpar.runtime.spatial import ops
+from fxpar.runtime.spatial import exchange
 
 PERTURBED = "3.weight"
 """The parameter whose gradient gets one wrong element: the second convolution's weight."""
@@ -97,12 +97,12 @@ def dropped_halo_row(record: dict[str, Any], active: bool) -> Iterator[None]:
     """On the rank where ``active``, zero the first row of the first halo piece sent in a
     forward exchange (once in the whole run): the neighbour tile computes on a window with one
     wrong row. Backward exchanges (gradients going back to their owners) are left alone."""
-    original = ops._swap
+    original = exchange.swap
     record["fired"] = 0
 
     def swap(like: torch.Tensor, comm: Any, tag: int, recvs: Any, sends: Any) -> Any:
         caller = sys._getframe(1).f_code.co_name
-        if active and not record["fired"] and caller in ("_window", "forward") and sends:
+        if active and not record["fired"] and caller == "send_halo" and sends:
             dst, piece = sends[0]
             piece = piece.clone()
             piece[:, :, 0, :] = 0
@@ -111,7 +111,7 @@ def dropped_halo_row(record: dict[str, Any], active: bool) -> Iterator[None]:
             record["rows"] = int(piece.shape[2])
         return original(like, comm, tag, recvs, sends)
 
-    with _patched(ops, "_swap", swap):
+    with _patched(exchange, "swap", swap):
         yield
 
 

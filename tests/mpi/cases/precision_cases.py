@@ -240,21 +240,21 @@ def case_bf16_sp4_zeroed_halo_piece_is_caught() -> None:
     of every forward halo exchange it sends (the fp64 suites catch far smaller errors; this
     shows the bf16 yardstick is not so loose that a broken exchange passes)."""
     from fxpar.comm.world import world
-    from fxpar.runtime.spatial import ops
+    from fxpar.runtime.spatial import exchange
 
     failures: list[str] = []
-    original = ops._swap
+    original = exchange.swap
 
     def swap(like: Any, comm: Any, tag: int, recvs: Any, sends: Any) -> Any:
         if world().rank == 0 and sends and tag % 2 == 0:  # forward tags are even
             sends = [(sends[0][0], sends[0][1].mul(0)), *sends[1:]]
         return original(like, comm, tag, recvs, sends)
 
-    ops._swap = swap
+    exchange.swap = swap
     try:
         check_mixed(Net, SHAPE, P(spatial_parts=4), "bf16", failures=failures)
     finally:
-        ops._swap = original
+        exchange.swap = original
     reports = world().allgather_object(failures[:2])
     assert any(reports), "a zeroed halo piece under bf16 went unnoticed"
     print("caught:", next(r for r in reports if r)[0])

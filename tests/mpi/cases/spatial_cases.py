@@ -274,19 +274,27 @@ def case_sp_pp_unet_tiles_to_one_rank():
 
 def _split_everywhere(case: Case) -> None:
     """Run ``case`` with every convolution that can split taking haloconv's path
-    (test images are too small for the cost rule to choose it), and check some did."""
+    (test images are too small for the cost rule to choose it), and check some did (the
+    split path's tile part ran)."""
     from fxpar.runtime.spatial import haloconv
     from fxpar.runtime.spatial.ops import HaloOp
 
-    old, haloconv.MIN_RATIO = haloconv.MIN_RATIO, 0
+    calls: list[int] = []
+    real = haloconv.tile_part
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    old, haloconv.MIN_RATIO, haloconv.tile_part = haloconv.MIN_RATIO, 0, counted
     try:
         rp = check(case)
     finally:
-        haloconv.MIN_RATIO = old
+        haloconv.MIN_RATIO, haloconv.tile_part = old, real
     ops = [m for s in rp.stages.values() for m in s.modules() if isinstance(m, HaloOp)] \
         if rp is not None else []
     if ops:  # a rank of a spatial stage
-        assert any(getattr(m, "_split", None) is not None for m in ops), "nothing split"
+        assert calls, "nothing split"
 
 
 def case_split_convolutions_resnet18_p4_square():

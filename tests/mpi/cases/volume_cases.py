@@ -235,14 +235,14 @@ def case_zeroed_corner_piece_is_caught() -> None:
     from helpers.equivalence import collect_failures
 
     from fxpar.comm.world import world
-    from fxpar.runtime.spatial import ops
+    from fxpar.runtime.spatial import exchange
 
-    original = ops._rebuild
+    original = exchange.rebuild
     fired: list[int] = []
 
     def rebuild(x, ex, replicated, pieces):  # type: ignore[no-untyped-def]
         if not fired and not replicated and world().rank == 7 and \
-                sys._getframe(1).f_code.co_name == "_window":
+                sys._getframe(1).f_code.co_name == "window":
             corners = [i for i, (rect, _) in enumerate(pieces)
                        if all(a[1] <= o[0] or a[0] >= o[1]
                               for a, o in zip(rect.dims, ex.own.dims, strict=True))]
@@ -251,12 +251,12 @@ def case_zeroed_corner_piece_is_caught() -> None:
                 fired.append(len(corners))
         return original(x, ex, replicated, pieces)
 
-    ops._rebuild = rebuild
+    exchange.rebuild = rebuild
     try:
         with collect_failures() as failures:
             check(Case(convs, (2, 2, 8, 8, 8), GRIDS["cube8"]))
     finally:
-        ops._rebuild = original
+        exchange.rebuild = original
     everyone = world().allgather_object((bool(fired), failures[:3]))
     assert [f for f, _ in everyone] == [False] * 7 + [True], everyone
     caught = everyone[7][1]
