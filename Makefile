@@ -3,9 +3,13 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fxpar-installed
+# the oldest torch fxpar supports, in its own environment (make test-oldest-torch)
+OLDEST := torch==2.11.0 torchvision==0.26.0
+OLD    := .venv-oldest-torch
+OLD_STAMP := $(OLD)/.fxpar-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test test-full test-quick lint demo clean
+.PHONY: install test test-full test-quick test-oldest-torch lint demo clean
 
 install: $(STAMP)
 
@@ -35,8 +39,22 @@ test-full: $(STAMP) lint
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not slow" tests/unit
 
+# the core subset (tests/streams.py CORE_*) on the oldest supported torch: CI runs it after
+# `make test`, so both ends of the tested range are checked
+test-oldest-torch: $(OLD_STAMP)
+	$(OLD)/bin/python tests/streams.py --core
+
+$(OLD_STAMP): pyproject.toml
+	test -x $(OLD)/bin/python || $(PYTHON) -m venv $(OLD)
+	$(OLD)/bin/python -m pip install -qq --upgrade pip
+	printf '%s\n' $(OLDEST) > $(OLD)/constraints.txt
+	$(OLD)/bin/python -m pip install -qq -c $(OLD)/constraints.txt -e . $(OLDEST) mpi4py mpich \
+	    pytest pytest-timeout hypothesis "timm>=1.0.20,<1.1" \
+	    "segmentation-models-pytorch>=0.5,<0.7" "monai>=1.5,<1.7"
+	touch $@
+
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/demo.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(OLD) build *.egg-info

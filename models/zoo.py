@@ -53,7 +53,12 @@ def build_model(spec: str, *, meta: bool = False, **kwargs: Any) -> nn.Module:
     if not sep or not name:
         raise ModelSpecError(f"model spec {spec!r}: expected {FORMS}")
     if source == "torchvision":
-        import torchvision.models as tvm
+        try:
+            import torchvision.models as tvm
+        except ImportError:
+            raise ModelSpecError(f"model spec {spec!r} needs torchvision: pip install "
+                                 f"'fxpar[vision]' (pip pairs it with the torch installed)"
+                                 ) from None
 
         known = tvm.list_models(module=tvm)
         if name not in known:

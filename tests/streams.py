@@ -40,6 +40,16 @@ TIMED = ["test_faults.py", "test_fault_matrix.py", "test_comm.py", "test_checkpo
 """Files whose jobs or checks must end within a bound of wall time (a failing job within 90 s,
 a launch within 20-60 s, a fuzz check within 30 s): beside nothing but ``tests/unit``."""
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+CORE_UNIT = ["test_trace.py", "test_split_stages.py", "test_emit.py", "test_fxpar_ops.py",
+             "test_graphdata.py", "test_plan.py"]
+CORE_MPI = ["test_programs.py", "test_pipeline.py", "test_spatial.py", "test_libraries.py"]
+CORE_CASES = ("(not test_spatial and not test_libraries) or resnet18 or unet_segmentation or "
+              "upsample_bilinear_p2 or maxpool_pad_p2 or conv_transpose_p2 or "
+              "timm_convnext_atto__sp2 or smp_Unet__sp2")
+"""``make test-oldest-torch``: the core subset the oldest supported torch runs (capture,
+stages, emitted and saved programs, fxpar's custom ops, pipelines, spatial ops and models, two
+library models), about 4 minutes: every file of :data:`CORE_UNIT` and :data:`CORE_MPI`, the
+spatial and library files cut down to the cases :data:`CORE_CASES` names."""
 
 
 @dataclass(frozen=True)
@@ -99,9 +109,20 @@ def run(plan: dict[str, Stream], env: dict[str, str], captures: Path) -> dict[st
     return codes
 
 
+def core() -> list[str]:
+    """The pytest arguments of the core subset (:data:`CORE_CASES`)."""
+    return ["--durations=5", *(str(HERE / "unit" / f) for f in CORE_UNIT),
+            *(str(MPI / f) for f in CORE_MPI), "-k", CORE_CASES]
+
+
 def main() -> int:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
            f"{os.environ.get('PATH', '')}"}  # mpiexec of this environment
+    if sys.argv[1:] == ["--core"]:
+        import torch
+
+        print(f"== the core subset on torch {torch.__version__} ==", flush=True)
+        return subprocess.run([*PYTEST, *core()], env=env).returncode
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fxpar-captures-") as captures:
         codes = run(streams(), env, Path(captures))

@@ -13,12 +13,12 @@ import operator
 
 import torch
 from torch import fx
-from torch.fx.passes.split_module import split_module
 
 from fxpar.core import meta
 from fxpar.core.fxgraph import graph_module, lazy_code
 from fxpar.core.meta import TensorInfo
 from fxpar.core.stages import StageGraph, StageInput, Transfer
+from fxpar.core.torchcompat import split_module_tuples
 from fxpar.passes.split_stages import StageAssignment
 from fxpar.runtime.segments import writes_in_place
 
@@ -72,8 +72,7 @@ def build_stages(gm: fx.GraphModule) -> StageGraph:
     """Split a stage-annotated GraphModule into stage modules and transfers."""
     qualnames: dict[str, str] = {}
     with lazy_code():  # the split's modules are read, never run
-        top = split_module(gm, gm, lambda n: meta.get(n, StageAssignment).stage,
-                           qualname_map=qualnames, keep_original_order=True, tuple_return=True)
+        top = split_module_tuples(gm, lambda n: meta.get(n, StageAssignment).stage, qualnames)
     calls = [n for n in top.graph.nodes if n.op == "call_module"]
     stage_of = {n: int(str(n.target).removeprefix("submod_")) for n in calls}
     count = len(calls)

@@ -24,10 +24,10 @@ from fxpar.testing import mpiexec
 
 pytestmark = pytest.mark.timeout(600)
 
-EXTRAS = {"graphviz", "matplotlib", "timm", "segmentation_models_pytorch", "monai", "pytest",
-          "_pytest", "pytest_timeout", "xdist", "execnet", "hypothesis", "importlinter",
-          "import_linter", "grimp", "ruff"}
-"""Top-level packages (and distributions) of the test and viz extras."""
+EXTRAS = {"graphviz", "matplotlib", "torchvision", "timm", "segmentation_models_pytorch",
+          "monai", "pytest", "_pytest", "pytest_timeout", "xdist", "execnet", "hypothesis",
+          "importlinter", "import_linter", "grimp", "ruff"}
+"""Top-level packages (and distributions) of the test, vision and viz extras."""
 
 
 def _hidden(entry: str) -> bool:
@@ -75,11 +75,11 @@ def _run(python: Path, args: list[str], cwd: Path, n: int | None = None
 
 
 def test_the_bare_venv_has_fxpar_but_not_the_extras(bare_python, tmp_path):
-    r = subprocess.run([str(bare_python), "-c", "import fxpar, torch, torchvision, mpi4py; "
+    r = subprocess.run([str(bare_python), "-c", "import fxpar, torch, mpi4py; "
                         "print(fxpar.__version__)"], env=_env(tmp_path), capture_output=True,
                        text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    for package in ("graphviz", "matplotlib", "timm", "pytest"):
+    for package in ("graphviz", "matplotlib", "torchvision", "timm", "pytest"):
         r = subprocess.run([str(bare_python), "-c", f"import {package}"], env=_env(tmp_path),
                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
         assert r.returncode == 1 and "ModuleNotFoundError" in r.stderr, package
@@ -87,7 +87,11 @@ def test_the_bare_venv_has_fxpar_but_not_the_extras(bare_python, tmp_path):
 
 def test_without_extras_inspect_prints_tables_and_a_picture_names_its_extra(bare_python,
                                                                           tmp_path):
-    r = _run(bare_python, ["fxpar.cli.inspect", "torchvision:resnet18", "--image-size", "64",
+    r = _run(bare_python, ["fxpar.cli.inspect", "torchvision:resnet18", "--image-size", "64"],
+             tmp_path)  # fxpar itself needs no torchvision: only a torchvision model does
+    assert r.returncode == 2 and "pip install 'fxpar[vision]'" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    r = _run(bare_python, ["fxpar.cli.inspect", "models:resnet_v2", "--image-size", "64",
               "--batch-size", "2", "--stages", "2", "--spatial-parts", "2", "--memory"],
              tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -95,7 +99,7 @@ def test_without_extras_inspect_prints_tables_and_a_picture_names_its_extra(bare
     assert "Traceback" not in r.stderr
     for flag, package in (("--dot", "graphviz"), ("--timeline", "matplotlib")):
         out = tmp_path / ("g.dot" if flag == "--dot" else "t.png")
-        r = _run(bare_python, ["fxpar.cli.inspect", "torchvision:resnet18", "--image-size",
+        r = _run(bare_python, ["fxpar.cli.inspect", "models:resnet_v2", "--image-size",
                                "64", "--stages", "2", flag, str(out)], tmp_path)
         assert r.returncode == 2, (flag, r.stdout[-1000:], r.stderr[-2000:])
         assert f"needs the Python package '{package}'" in r.stderr, r.stderr[-2000:]
