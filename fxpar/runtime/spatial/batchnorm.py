@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxpar.runtime.spatial import library as _library  # noqa: F401  (defines torch.ops.fxpar)
+from fxpar.runtime.spatial import collectives as _collectives  # noqa: F401  (its torch.ops.fxpar)
 from fxpar.runtime.spatial.group import TileOp
 
 

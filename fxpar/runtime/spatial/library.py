@@ -3,18 +3,20 @@
 Every message a spatial stage sends goes through one of these ops: the halo exchange
 (``fxpar::halo``), a halo exchange fused with the windowed op that reads it
 (``fxpar::halo_op``: a convolution computes its tile's part while the halo travels), the join
-of the tiles (``fxpar::join``), synchronised BatchNorm (``fxpar::sync_batch_norm``), the
-reductions over the tile group (``fxpar::allreduce``, ``fxpar::allgather``,
-``fxpar::group_extreme``) and, for backward, ``fxpar::halo_grad`` and
-``fxpar::halo_conv_grad``. A tile op module (fxpar.runtime.spatial.ops and its neighbours)
-only calls them, so a stage is an ordinary graph of ATen and ``fxpar::`` ops:
+of the tiles (``fxpar::join``) and, for backward, ``fxpar::halo_grad`` and
+``fxpar::halo_conv_grad``; synchronised BatchNorm and the reductions over the tile group
+(``fxpar::sync_batch_norm``, ``fxpar::allreduce``, ``fxpar::allgather``,
+``fxpar::group_extreme``) are in fxpar.runtime.spatial.collectives, on the same pattern. A tile
+op module (fxpar.runtime.spatial.ops and its neighbours) only calls them, so a stage is an
+ordinary graph of ATen and ``fxpar::`` ops:
 ``torch.export`` captures it (each op has a fake kernel that gives its outputs' shapes without
 communicating), ``torch.export.save`` / ``load`` store it, and ``torch.compile`` compiles the
 code between the ops without a graph break.
 
 Each op takes its tensors, its tile group's name (``key``) and its static arguments as one JSON
-string (``spec``, fxpar.core.values: a halo exchange, a kernel's configuration): nothing that
-is not a tensor, a string or a number, so an exported graph holds the whole op. The kernel
+string (``spec``, fxpar.core.values: a halo exchange, a kernel's configuration; the collectives
+take plain numbers): nothing that is not a tensor, a string or a number, so an exported graph
+holds the whole op. The kernel
 finds the communicator by the key in the binding of the rank program running the step
 (fxpar.runtime.spatial.group); the autograd context keeps that binding for backward.
 
@@ -38,13 +40,13 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._higher_order_ops.effects import EffectType
-from torch.nn import functional as F
 from torch.utils.flop_counter import conv_backward_flop, conv_flop_count, register_flop_formula
 
 from fxpar.comm.mpi import Comm, Request
 from fxpar.core.geometry import Rect
 from fxpar.core.options import flag
 from fxpar.core.values import loads
+from fxpar.runtime.spatial import collectives as _collectives  # noqa: F401  (fxpar::allreduce)
 from fxpar.runtime.spatial import haloconv
 from fxpar.runtime.spatial.exchange import (
     Pieces,
@@ -60,7 +62,6 @@ from fxpar.runtime.spatial.exchange import (
 )
 from fxpar.runtime.spatial.group import bound, current, group
 from fxpar.runtime.spatial.kernels import KERNELS
-from fxpar.runtime.spatial.moments import global_moments, stats_dtype
 
 fxpar_op = functools.partial(torch.library.custom_op, mutates_args=())
 
@@ -310,177 +311,6 @@ def _join_backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
 join.register_autograd(_join_backward, setup_context=_join_setup)
 
 
-# -- collectives over the tile group ----------------------------------------------------------
-@fxpar_op("fxpar::allreduce")
-def allreduce(x: Tensor, key: str, op: str) -> Tensor:
-    """``x`` reduced (``op``: sum, max, min) over the tile group ``key``, on every rank.
-    Differentiable for sum: a replicated result's gradient is partial on each rank, so the
-    backward is an allreduce again."""
-    return group(key).allreduce(x.clone(memory_format=torch.contiguous_format), op)
-
-
-@allreduce.register_fake
-def _allreduce_fake(x: Tensor, key: str, op: str) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def _allreduce_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _remember(ctx, inputs[1], inputs[2])
-
-
-def _allreduce_backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-    if ctx.spec != "sum":
-        raise RuntimeError(f"fxpar::allreduce with op {ctx.spec!r} has no gradient (only a "
-                           f"sum has one)")
-    with bound(ctx.comms):
-        return torch.ops.fxpar.allreduce(g, ctx.key, "sum"), None, None
-
-
-allreduce.register_autograd(_allreduce_backward, setup_context=_allreduce_setup)
-
-
-@fxpar_op("fxpar::allgather")
-def allgather(x: Tensor, key: str) -> Tensor:
-    """Every rank's ``x`` (the same shape on all), stacked in rank order, on every rank."""
-    return torch.stack(group(key).allgather(x.contiguous()))
-
-
-@allgather.register_fake
-def _allgather_fake(x: Tensor, key: str) -> Tensor:
-    comm = current().get(key)  # unbound (torch.export): the group's size is symbolic
-    size = comm.size if comm is not None else torch.library.get_ctx().new_dynamic_size()
-    return x.new_empty((size, *x.shape))
-
-
-def _allgather_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _remember(ctx, inputs[1], "")
-
-
-def _allgather_backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
-    # each rank's use of the gathered values adds to the gradient of every rank's x
-    with bound(ctx.comms):
-        total = torch.ops.fxpar.allreduce(g, ctx.key, "sum")
-        return total[group(ctx.key).rank], None
-
-
-allgather.register_autograd(_allgather_backward, setup_context=_allgather_setup)
-
-
-@fxpar_op("fxpar::group_extreme")
-def group_extreme(x: Tensor, key: str, dims: list[int], op: str
-                  ) -> tuple[Tensor, Tensor, Tensor]:
-    """``amax`` / ``amin`` (``op``: "max" or "min") over ``dims`` of the whole tensor, keeping
-    the dims; also the cells of the tile equal to it and their count over the group. Backward
-    splits the gradient evenly over those cells on every tile, as one device does."""
-    comm = group(key)
-    local = x.amax(dim=dims, keepdim=True) if op == "max" else x.amin(dim=dims, keepdim=True)
-    m = comm.allreduce(local.contiguous(), op=op)
-    at = x == m
-    count = comm.allreduce(at.sum(dim=dims, keepdim=True).to(x.dtype))
-    return m, at, count
-
-
-@group_extreme.register_fake
-def _group_extreme_fake(x: Tensor, key: str, dims: list[int], op: str
-                        ) -> tuple[Tensor, Tensor, Tensor]:
-    m = x.amax(dim=dims, keepdim=True).contiguous()
-    return m, torch.empty_like(x, dtype=torch.bool), torch.empty_like(m)
-
-
-def _group_extreme_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, at, count = output
-    _remember(ctx, inputs[1], "")
-    ctx.save_for_backward(at, count)
-    ctx.mark_non_differentiable(at, count)
-
-
-def _group_extreme_backward(ctx: Any, g: Tensor, _at: Any, _count: Any
-                            ) -> tuple[Tensor, None, None, None]:
-    at, count = ctx.saved_tensors
-    with bound(ctx.comms):
-        total = torch.ops.fxpar.allreduce(g, ctx.key, "sum")
-    return at * (total / count), None, None, None
-
-
-group_extreme.register_autograd(_group_extreme_backward, setup_context=_group_extreme_setup)
-
-
-# -- synchronised BatchNorm -------------------------------------------------------------------
-def _box(box: list[int]) -> tuple[slice, ...]:
-    """The slices of ``box``: a start and a stop per spatial dim, flat (empty: everything)."""
-    return (slice(None), slice(None), *(slice(a, b) for a, b in zip(box[::2], box[1::2],
-                                                                      strict=True)))
-
-
-@fxpar_op("fxpar::sync_batch_norm")
-def sync_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, key: str,
-                    count: int, eps: float, box: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-    """Training-mode BatchNorm of tile ``x`` with statistics over every tile of the group
-    (fxpar.runtime.spatial.moments): ``count`` values per channel in all, statistics of the
-    cells ``box`` of the tile (:func:`_box`). Returns the output, the mean and the biased
-    variance. Saves only the input and the per-channel statistics, like PyTorch's own kernel,
-    so tiles keep 1/P of the memory."""
-    mean, var = global_moments(x[_box(box)], group(key))
-    y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
-    return y, mean, var
-
-
-@sync_batch_norm.register_fake
-def _sync_batch_norm_fake(x: Tensor, weight: Tensor | None, bias: Tensor | None, key: str,
-                          count: int, eps: float, box: list[int]
-                          ) -> tuple[Tensor, Tensor, Tensor]:
-    c = x.shape[1]
-    return (torch.empty_like(x), x.new_empty(c, dtype=stats_dtype(x)),
-            x.new_empty(c, dtype=stats_dtype(x)))
-
-
-def _sync_batch_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    x, weight, _, key, count, eps, box = inputs
-    _, mean, var = output
-    _remember(ctx, key, "")
-    ctx.count, ctx.eps, ctx.box = count, eps, _box(box)
-    ctx.save_for_backward(x, weight, mean, var)
-    ctx.mark_non_differentiable(mean, var)
-
-
-def _sync_batch_norm_backward(ctx: Any, gy: Tensor, _gm: Any, _gv: Any
-                              ) -> tuple[Tensor | None, ...]:
-    """``native_batch_norm_backward`` in eval form (gy * w * invstd and the local parameter-
-    gradient sums) plus one eval-form ``batch_norm`` for the correction terms the global
-    statistics add: one allreduce of the two per-channel sums. Written with elementwise ops
-    this took ~4x longer per element than one device's BatchNorm (issue 7's profile)."""
-    if getattr(ctx, "weight_grads", None) is not None:
-        # run again for the weights alone (a zero-bubble W, fxpar.runtime.splitgrad): the
-        # first run's local sums, no second allreduce
-        gw, gb = ctx.weight_grads
-        return None, gw, gb, None, None, None, None
-    x, weight, mean, var = ctx.saved_tensors
-    eps, count, box = ctx.eps, ctx.count, ctx.box
-    w = weight if weight is not None else torch.ones_like(mean)
-    invstd = torch.rsqrt(var + eps)
-    # the saved statistics too: CPU's eval form ignores them, CUDA's asserts they are there
-    # (torch 2.11, H200: "save_mean should always be defined")
-    gx, gw_l, gb_l = torch.ops.aten.native_batch_norm_backward(
-        gy.contiguous(), x, w, mean, var, mean, invstd, False, eps, [True, True, True])
-    with bound(ctx.comms):
-        total = torch.ops.fxpar.allreduce(torch.stack([gb_l, gw_l]), ctx.key, "sum")
-    # gx = scale * (gy - sum(gy)/count - xhat * sum(gy * xhat)/count): the first term is gx
-    # above; the rest is xhat times a per-channel factor plus a per-channel constant (a fused
-    # halo group's border cells are not in the statistics: only the box is)
-    scale = invstd * w
-    gx[box] += F.batch_norm(x[box], mean, var, -scale * total[1] / count,
-                            -scale * total[0] / count, False, 0.0, eps)
-    # parameter gradients stay local: the stage's ALLREDUCE sums them over the tiles
-    gw = gw_l if weight is not None and ctx.needs_input_grad[1] else None
-    gb = gb_l if weight is not None and ctx.needs_input_grad[2] else None
-    ctx.weight_grads = (gw, gb)
-    return gx, gw, gb, None, None, None, None
-
-
-sync_batch_norm.register_autograd(_sync_batch_norm_backward,
-                                  setup_context=_sync_batch_norm_setup)
-
-
 # torch's FlopCounterMode does not look inside a custom op: the FLOPs of the convolutions two
 # of them run, as it counts a convolution on the window (pools count none, as in torch)
 @register_flop_formula(torch.ops.fxpar.halo_op)
@@ -501,6 +331,5 @@ def _halo_conv_grad_flops(g_shape: Any, x_shape: Any, w_shape: Any, _bias: Any, 
                               False, None, None, [need[0], need[1], False], None)
 
 
-for _op in (halo, halo_grad, halo_op, halo_conv_grad, join, allreduce, allgather, group_extreme,
-            sync_batch_norm):
+for _op in (halo, halo_grad, halo_op, halo_conv_grad, join):
     _op.register_effect(EffectType.ORDERED)
