@@ -34,7 +34,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchlib import ROOT, machine, measure, rotate, snapshot, thread_env, worker_command
+from benchlib import (
+    ROOT,
+    interleave,
+    machine,
+    measure,
+    nested,
+    snapshot,
+    thread_env,
+    worker_command,
+)
 from pipeline_report import (
     aim_row,
     bubble_plot,
@@ -164,23 +173,25 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     cfg = config(opts)
     src, rev = snapshot(cfg.rev) if cfg.rev else (ROOT, "working tree")
     m0 = cfg.microbatches
-    comp: dict[int, list[dict[str, Any]]] = {p: [] for p in cfg.ranks}
     failed: dict[int, dict[str, str]] = {p: {} for p in cfg.ranks}
-    for r in range(cfg.rounds):
-        single: dict[str, Any] | None = None
-        for p in cfg.ranks:
-            rnd: dict[str, Any] = {}
-            for key in rotate(cfg.systems, r):
-                if key in failed[p]:
-                    continue
-                if SYSTEMS[key].impl == "single" and single is not None:
-                    rnd[key] = single  # one process: the same in every configuration
-                    continue
-                rec = _try(key, p, m0, cfg, src, failed[p])
-                if rec is not None:
-                    rnd[key] = rec
-                    single = rec if SYSTEMS[key].impl == "single" else single
-            comp[p].append(rnd)
+    singles: dict[int, dict[str, Any]] = {}  # round -> the one-process launch
+
+    def one(system: tuple[int, str], r: int) -> dict[str, Any] | None:
+        p, key = system
+        if key in failed[p]:
+            return None
+        if SYSTEMS[key].impl == "single" and r in singles:
+            return singles[r]  # one process: the same in every configuration
+        rec = _try(key, p, m0, cfg, src, failed[p])
+        if rec is not None and SYSTEMS[key].impl == "single":
+            singles[r] = rec
+        return rec
+
+    systems = [(p, key) for p in cfg.ranks for key in cfg.systems]
+    launched = nested(interleave("pipeline", cfg.rounds, systems, one,
+                                 key=lambda s: f"{s[0]}/{s[1]}"))
+    comp = {p: [{k: rec for k, rec in rnd.get(str(p), {}).items() if rec is not None}
+                for rnd in launched] for p in cfg.ranks}
     fx = [k for k in cfg.systems if SYSTEMS[k].impl == "fxpar"]
     bubble: dict[int, dict[str, dict[int, list[dict[str, Any]]]]] = {p: {} for p in cfg.ranks}
     for p, rounds in comp.items():
@@ -191,20 +202,25 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                     {**launch_bubble(rec["ranks"]), "sim": rec["sim_bubble"]} for rec in recs]
     bubble_raw: list[dict[str, Any]] = []
     p0 = cfg.ranks[0]
-    for r in range(cfg.bubble_rounds):
-        for key in fx:
-            s = SYSTEMS[key]
-            for m in rotate([m for m in cfg.bubble_ms if m != m0], r):
-                if key in failed[p0] or (s.schedule == "interleaved_1f1b" and m % p0):
-                    continue  # interleaving runs rounds of p micro-batches
-                rec = _try(key, p0, m, cfg, src, failed[p0])
-                if rec is None:
-                    continue
-                bubble[p0].setdefault(s.schedule, {}).setdefault(m, []).append(
-                    {**launch_bubble(rec["ranks"]), "sim": rec["sim_bubble"]})
-                bubble_raw.append({"p": p0, "schedule": s.schedule, "m": m,
-                                   "ranks": rec["ranks"], "foreign": rec["foreign"],
-                                   "attempt": rec["attempt"]})
+    sweep = [(key, m) for key in fx for m in cfg.bubble_ms if m != m0
+             # interleaving runs rounds of p micro-batches
+             and not (SYSTEMS[key].schedule == "interleaved_1f1b" and m % p0)]
+
+    def one_m(system: tuple[str, int], r: int) -> dict[str, Any] | None:
+        key, m = system
+        return None if key in failed[p0] else _try(key, p0, m, cfg, src, failed[p0])
+
+    for rnd in interleave("pipeline bubble", cfg.bubble_rounds, sweep, one_m,
+                          key=lambda s: f"{s[0]}/m={s[1]}"):
+        for key, m in sweep:
+            rec = rnd[f"{key}/m={m}"]
+            if rec is None:
+                continue
+            schedule = SYSTEMS[key].schedule
+            bubble[p0].setdefault(schedule, {}).setdefault(m, []).append(
+                {**launch_bubble(rec["ranks"]), "sim": rec["sim_bubble"]})
+            bubble_raw.append({"p": p0, "schedule": schedule, "m": m, "ranks": rec["ranks"],
+                               "foreign": rec["foreign"], "attempt": rec["attempt"]})
     return section(cfg, comp, bubble, bubble_raw, failed, rev)
 
 

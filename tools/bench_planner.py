@@ -161,17 +161,19 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                   if v != fxpar.Plan().to_json()[k]}
         chosen[model] = {"name": f"planner: {describe(found.plan)}", "fields": fields}
         predicted[model] = {describe(e.plan): e.step_s for e in found.ranked}
+    def one(model: str, k: int) -> dict[str, Any]:
+        """One launch training every plan of ``model`` in turn (the order rotated by round)."""
+        plans = {**hand, chosen[model]["name"]: chosen[model]["fields"]}
+        order = dict(benchlib.rotate(list(plans.items()), k))
+        args = ["--worker", "--model", model, "--plans", json.dumps(order), "--image",
+                str(image), "--batch", str(batch), "--steps", str(steps)]
+        return benchlib.measure(benchlib.worker_command("bench_planner.py", args, 2),
+                                benchlib.thread_env(1), retries=opts.retries,
+                                max_foreign=opts.max_foreign, timeout=opts.timeout)
+
     measured: dict[tuple[str, str], list[float]] = {}
-    for k in range(opts.rounds):
-        for model in models:
-            plans = {**hand, chosen[model]["name"]: chosen[model]["fields"]}
-            order = dict(benchlib.rotate(list(plans.items()), k))
-            benchlib.progress("planner", k + 1, opts.rounds, f"{model}: {len(order)} plans")
-            args = ["--worker", "--model", model, "--plans", json.dumps(order), "--image",
-                    str(image), "--batch", str(batch), "--steps", str(steps)]
-            rec = benchlib.measure(benchlib.worker_command("bench_planner.py", args, 2),
-                                   benchlib.thread_env(1), retries=opts.retries,
-                                   max_foreign=opts.max_foreign, timeout=opts.timeout)
+    for rnd in benchlib.interleave("planner", opts.rounds, models, one):
+        for model, rec in rnd.items():
             for name, s in rec["step_s"].items():
                 measured.setdefault((model, name), []).append(s)
     rows, summary, aims = [], [], []

@@ -356,28 +356,26 @@ def _run(opts: argparse.Namespace, cfg: dict[str, Any], tmp: Path) -> dict[str, 
                     n)
     systems = [("limit", 0), *(("fxpar", r) for r in cfg["ranks"]),
                *(("monai", m) for m in cfg["modes"])]
-    rounds: list[dict[str, Any]] = []
     accuracy: dict[str, Any] = {}
-    for k in range(cfg["rounds"]):
-        benchlib.progress("predict", k + 1, cfg["rounds"])
-        rec: dict[str, Any] = {}
-        for kind, what in benchlib.rotate(systems, k):
-            if kind == "limit":
-                rec["limit"] = _worker(opts, "limit", common, n)
-            elif kind == "fxpar":
-                out = tmp / f"argmax_sp{what}.zarr"
-                cmd = _cli(cfg, files, files["image"], int(what), out, "argmax")
-                env = benchlib.thread_env(max(1, n // int(what)))
-                rec[f"fxpar/{what}"] = _measured(
-                    opts, lambda c=cmd, e=env: _launch_cli(c, e, opts.timeout))
-            else:
-                ref = ["--ref", str(files["ref"])] if same and k == 0 else []
-                r = _worker(opts, "monai", ["--image", str(files["image"]), "--mode", str(what),
-                                            "--overlap", str(cfg["overlap"]), *ref, *common], n)
-                if ref:
-                    accuracy[f"monai/{what}"] = r.pop("accuracy")
-                rec[f"monai/{what}"] = r
-        rounds.append(rec)
+
+    def one(system: tuple[str, Any], k: int) -> dict[str, Any]:
+        kind, what = system
+        if kind == "limit":
+            return _worker(opts, "limit", common, n)
+        if kind == "fxpar":
+            out = tmp / f"argmax_sp{what}.zarr"
+            cmd = _cli(cfg, files, files["image"], int(what), out, "argmax")
+            env = benchlib.thread_env(max(1, n // int(what)))
+            return _measured(opts, lambda: _launch_cli(cmd, env, opts.timeout))
+        ref = ["--ref", str(files["ref"])] if same and k == 0 else []
+        r = _worker(opts, "monai", ["--image", str(files["image"]), "--mode", str(what),
+                                    "--overlap", str(cfg["overlap"]), *ref, *common], n)
+        if ref:
+            accuracy[f"monai/{what}"] = r.pop("accuracy")
+        return r
+
+    rounds = benchlib.interleave("predict", cfg["rounds"], systems, one,
+                                 key=lambda s: "limit" if s[0] == "limit" else f"{s[0]}/{s[1]}")
     benchlib.progress("predict", cfg["rounds"], cfg["rounds"], "accuracy")
     for mode in cfg["modes"]:
         if f"monai/{mode}" not in accuracy:

@@ -299,15 +299,10 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             str(cfg["compile_size"]), "--parts", str(cfg["compile_parts"]), "--slice", "cube",
             "--warm", str(cfg["compile_warm"])]))
     # (3) SP2 speedup and its limit, interleaved rounds in rotated order
-    timing: list[dict[str, Any]] = []
-    for k in range(rounds):
-        rec = {}
-        for system in benchlib.rotate(cfg["systems"], k):
-            benchlib.progress("volume", k + 1, rounds, f"SP2 timing: {system}")
-            rec[system] = _launch(opts, _step_args(
-                "time", system, cfg["speed_model"], cfg["speed_size"], 2, "slab",
-                cfg["steps"], cfg["warmup"]), ranks=2 if system in ("sp", "ideal") else None)
-        timing.append(rec)
+    timing = benchlib.interleave("volume", rounds, cfg["systems"], lambda system, _k: _launch(
+        opts, _step_args("time", system, cfg["speed_model"], cfg["speed_size"], 2, "slab",
+                         cfg["steps"], cfg["warmup"]),
+        ranks=2 if system in ("sp", "ideal") else None))
     # (1) memory: one process, then P ranks; separate launches, the heaviest part last
     memory: dict[str, Any] = {}
     cfg["memory_model"], cfg["memory_fallback"] = cfg["model"], None

@@ -328,6 +328,11 @@ def snapshot(rev: str) -> tuple[Path, str]:
     atexit.register(shutil.rmtree, folder, True)  # also when a worker fails
     archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True)
     tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(folder, filter="data")
+    # passes/ and models/ install as fxpar.passes and fxpar.models (pyproject's package-dir):
+    # without these links, the editable install would import them from the working tree
+    for sub in ("passes", "models"):
+        if (folder / sub).is_dir() and not (folder / "fxpar" / sub).exists():
+            (folder / "fxpar" / sub).symlink_to(Path("..") / sub)
     short = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True,
                            check=True, text=True).stdout.strip()
     return folder, short

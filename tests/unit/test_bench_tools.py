@@ -234,3 +234,22 @@ def test_a_benchmark_of_one_function_runs_interleaved_rounds_beside_its_limit(mo
         == [{"r18": {"sp": {"t": 1}, "ideal": {"t": 2}}, "unet": {"sp": {"t": 3}}}]
     with pytest.raises(ValueError, match="baseline 'eager'"):
         benchlib.compare(opts, "x", "SP2", systems, baseline="eager", method="M.")
+
+
+def test_a_snapshot_imports_all_of_fxpar_from_itself():
+    """A commit exported for a before/after comparison (``benchlib.snapshot``) imports
+    fxpar.passes and fxpar.models from the export too, not from the working tree that the
+    editable install maps them to."""
+    import subprocess
+    import sys
+
+    spec = importlib.util.spec_from_file_location("benchlib", TOOLS / "benchlib.py")
+    benchlib = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("benchlib", benchlib)  # dataclasses look their module up
+    spec.loader.exec_module(benchlib)
+    folder, _ = benchlib.snapshot("HEAD")
+    code = "import fxpar.passes.halo as h, fxpar.models as m; print(h.__file__); print(m.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], env=benchlib.thread_env(1, folder),
+                         cwd=folder.parent,  # not the repository: `python -c` imports from cwd
+                         capture_output=True, text=True, check=True, timeout=300).stdout.split()
+    assert all(Path(f).resolve().is_relative_to(folder.resolve()) for f in out), (folder, out)
