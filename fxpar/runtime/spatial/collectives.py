@@ -20,6 +20,7 @@ from fxpar.runtime.spatial.group import bound, current, group
 from fxpar.runtime.spatial.moments import global_moments, stats_dtype
 
 fxpar_op = functools.partial(torch.library.custom_op, mutates_args=())
+"""How fxpar defines an op (here and in fxpar.runtime.spatial.library): no input mutated."""
 
 
 def _remember(ctx: Any, key: str) -> None:

@@ -46,8 +46,8 @@ from fxpar.comm.mpi import Comm, Request
 from fxpar.core.geometry import Rect
 from fxpar.core.options import flag
 from fxpar.core.values import loads
-from fxpar.runtime.spatial import collectives as _collectives  # noqa: F401  (fxpar::allreduce)
 from fxpar.runtime.spatial import haloconv
+from fxpar.runtime.spatial.collectives import fxpar_op  # and its ops: fxpar::allreduce
 from fxpar.runtime.spatial.exchange import (
     Pieces,
     empty,
@@ -62,8 +62,6 @@ from fxpar.runtime.spatial.exchange import (
 )
 from fxpar.runtime.spatial.group import bound, current, group
 from fxpar.runtime.spatial.kernels import KERNELS
-
-fxpar_op = functools.partial(torch.library.custom_op, mutates_args=())
 
 
 def _params(weight: Tensor | None, bias: Tensor | None) -> tuple[Tensor, ...]:
