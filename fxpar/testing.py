@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fxpar.core.options import setting
+
 
 @dataclass(frozen=True)
 class CaseResult:
@@ -46,8 +48,30 @@ class CaseResult:
             raise AssertionError(f"{self.case} failed under mpiexec:\n{self.report}")
 
 
+def torchrun() -> str:
+    """The ``torchrun`` that belongs to this Python."""
+    here = Path(sys.executable).parent / "torchrun"
+    found = str(here) if here.exists() else shutil.which("torchrun")
+    if found is None:
+        raise RuntimeError("torchrun not found beside this Python: is torch installed here?")
+    return found
+
+
+def _command(launcher: str, n: int) -> list[str]:
+    """How ``launcher`` starts ``n`` ranks of this module."""
+    if launcher == "mpiexec":
+        return [mpiexec(), "-n", str(n), sys.executable, "-m", "fxpar.testing"]
+    if launcher == "torchrun":
+        return [torchrun(), "--standalone", f"--nproc-per-node={n}", "--no-python",
+                sys.executable, "-m", "fxpar.testing"]
+    raise ValueError(f"unknown launcher {launcher!r}: use 'mpiexec' or 'torchrun'")
+
+
 def mpiexec() -> str:
-    """The ``mpiexec`` that belongs to this Python (the mpich wheel's), else the one on PATH."""
+    """``FXPAR_MPIEXEC``, else the ``mpiexec`` that belongs to this Python (the mpich
+    wheel's), else the one on PATH."""
+    if setting("mpiexec"):
+        return setting("mpiexec")
     here = Path(sys.executable).parent / "mpiexec"
     found = str(here) if here.exists() else shutil.which("mpiexec")
     if not found:
@@ -62,14 +86,17 @@ def _marker(folder: Path, case: str, rank: int, kind: str) -> Path:
 
 def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
               env: dict[str, str] | None = None,
-              pythonpath: Sequence[str | Path] = ()) -> dict[str, CaseResult]:
+              pythonpath: Sequence[str | Path] = (), launcher: str = "mpiexec"
+              ) -> dict[str, CaseResult]:
     """Run ``cases`` under ``mpiexec -n n``; one result per case, never hanging.
 
     One launch runs them all in order. A failing case ends its launch (every rank aborts), so
     the cases after it, which no rank started, run again in a fresh launch: one failure never
     hides the verdict of another. ``timeout`` bounds all launches together.
 
-    pythonpath: folders the case files import helpers from (prepended to PYTHONPATH)."""
+    pythonpath: folders the case files import helpers from (prepended to PYTHONPATH).
+    launcher: "mpiexec", or "torchrun" (the ranks then communicate over torch.distributed
+    alone: fxpar.comm.distributed)."""
     # FXPAR_POLL: a rank waiting for a message or a collective sleeps between tests of it
     # instead of spinning on a core the ranks still computing need (tests run more ranks than
     # cores); fxpar.comm.mpi
@@ -82,7 +109,8 @@ def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
     results: dict[str, CaseResult] = {}
     pending = list(cases)
     while pending:
-        got, unstarted = _launch(pending, n, max(1.0, deadline - time.monotonic()), full_env)
+        got, unstarted = _launch(pending, n, max(1.0, deadline - time.monotonic()), full_env,
+                                 launcher)
         results.update(got)
         if not unstarted or len(unstarted) == len(pending) or time.monotonic() >= deadline:
             for case in unstarted:  # nothing ran at all (e.g. an import failed): say so
@@ -92,12 +120,12 @@ def run_cases(cases: Sequence[str], n: int, timeout: float = 600.0,
     return {case: results[case] for case in cases}
 
 
-def _launch(cases: list[str], n: int, timeout: float, env: dict[str, str]
-            ) -> tuple[dict[str, CaseResult], list[str]]:
+def _launch(cases: list[str], n: int, timeout: float, env: dict[str, str],
+            launcher: str = "mpiexec") -> tuple[dict[str, CaseResult], list[str]]:
     """One ``mpiexec`` over ``cases``: (results of the cases some rank started, or every
     case's result if none started; the cases no rank started)."""
     folder = Path(tempfile.mkdtemp(prefix="fxpar-mpi-"))
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "fxpar.testing", str(folder), *cases]
+    cmd = [*_command(launcher, n), str(folder), *cases]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
@@ -130,10 +158,10 @@ def _launch(cases: list[str], n: int, timeout: float, env: dict[str, str]
         lines = [f"--- rank {r} ---\n{text}" for r, text in errors]
         if not errors:
             why = (f"killed after the {timeout:.0f}s timeout" if timed_out
-                   else f"mpiexec exited with code {proc.returncode}")
+                   else f"{launcher} exited with code {proc.returncode}")
             lines.append(f"case did not finish ({why}, {elapsed:.0f}s in); "
                          f"ranks that started it: {started}")
-        lines.append(f"--- mpiexec output (last 4000 chars) ---\n{output[-4000:]}")
+        lines.append(f"--- {launcher} output (last 4000 chars) ---\n{output[-4000:]}")
         results[case] = CaseResult(case, False, "\n".join(lines), output)
     shutil.rmtree(folder, ignore_errors=True)
     return results, unstarted

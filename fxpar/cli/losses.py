@@ -91,10 +91,11 @@ LOSSES: dict[str, LossSpec] = {
 
 
 def make_loss(name: str, ignore_index: int | None = None,
-              class_weights: str | None = None, classes: int | None = None
-              ) -> Callable[..., torch.Tensor]:
+              class_weights: str | None = None, classes: int | None = None,
+              dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor]:
     """The ``--loss`` ``name`` with its options (checked: a clear error says what to
-    change)."""
+    change). dtype: the model's, which the class weights take (MONAI's losses keep them as
+    they are given, and cross-entropy refuses float32 weights for float64 logits)."""
     if name not in LOSSES:
         raise LossArgError(f"--loss {name}: one of {', '.join(LOSSES)}")
     spec = LOSSES[name]
@@ -105,7 +106,7 @@ def make_loss(name: str, ignore_index: int | None = None,
         if not spec.class_weights:
             raise LossArgError(f"--loss {name} has no --class-weights")
         try:
-            weights = torch.tensor([float(v) for v in class_weights.split(",")])
+            weights = torch.tensor([float(v) for v in class_weights.split(",")], dtype=dtype)
         except ValueError:
             raise LossArgError(f"--class-weights {class_weights}: give one number per class, "
                                f"comma-separated (e.g. 0.2,1,2.5)") from None

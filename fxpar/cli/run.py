@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -70,7 +69,6 @@ from fxpar.data.samples import describe, open_source
 from fxpar.frontend.trace import TraceError
 from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
 from fxpar.program.checkpoint import CheckpointError
-from fxpar.program.program import _LAUNCHER_VARS
 from fxpar.runtime.guard import nonfinite_policy
 from fxpar.train.evaluate import check_output, open_validation, output_shape
 
@@ -310,7 +308,7 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
     if a.plan == "auto":
         plan = _auto(a, model, shape, comm, plan)
     example = torch.empty(shape, dtype=dtype, device="meta")
-    loss_fn = make_loss(a.loss, a.ignore_index, a.class_weights, a.num_classes)
+    loss_fn = make_loss(a.loss, a.ignore_index, a.class_weights, a.num_classes, dtype)
     try:
         program = fx_compile(model, plan, example, loss_fn=loss_fn,
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
@@ -328,8 +326,7 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
                            f"{'x'.join(map(str, out or ()))} outputs (one per image): use "
                            f"--loss ce or focal, or a segmentation model")
     took = time.perf_counter() - t0
-    if a.save_program is not None and comm is None and \
-            not any(v in os.environ for v in _LAUNCHER_VARS):
+    if a.save_program is not None and comm is None and not failfast.launched():
         raise SavedOnly(program.save(a.save_program), program.world_size)
     rp = program.local(comm)
     if a.save_program is not None:  # each rank writes its own folder, rank 0 the manifest
@@ -394,8 +391,8 @@ def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:
     t0 = time.perf_counter()
     chosen = a.loss != "ce" or a.ignore_index is not None or a.class_weights is not None
     rp = load(a.model, comm, optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9),
-              loss_fn=make_loss(a.loss, a.ignore_index, a.class_weights, a.num_classes)
-              if chosen else None)
+              loss_fn=make_loss(a.loss, a.ignore_index, a.class_weights, a.num_classes,
+                                getattr(torch, a.dtype)) if chosen else None)
     dtype = next((p.dtype for p in rp.parameters()), getattr(torch, a.dtype))
     if hasattr(source, "dtype"):
         source.dtype = dtype  # the saved weights decide
@@ -426,9 +423,9 @@ def setup(a: argparse.Namespace, comm: Comm | None = None) -> Job:
 
         read_manifest(a.resume)  # a missing or foreign folder fails here, on every rank
     from fxpar.comm.device import bind
+    from fxpar.comm.world import node_comm
 
-    launched = comm is not None or any(v in os.environ for v in _LAUNCHER_VARS)
-    where = bind((comm or Comm()) if launched and a.device != "cpu" else None, a.device)
+    where = bind((comm or node_comm()) if a.device != "cpu" else None, a.device)
     job = _saved(a, comm) if Path(a.model).is_dir() else _compiled(a, comm)
     if a.val_data is not None:  # the model's classes: its output's, when the graph says
         out = output_shape(job.rp.program)

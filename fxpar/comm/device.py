@@ -14,13 +14,10 @@ from typing import Any
 
 import torch
 
-from fxpar.comm import failfast
+from fxpar.comm import failfast, launch
 from fxpar.comm.protocol import Comm
 from fxpar.core.options import setting
 
-# Node-local rank / size as MPICH (Hydra), Open MPI and Slurm export them to each process.
-_LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
-_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
 DEVICES = ("auto", "cpu", "cuda")
 _warned_sharing = False
 
@@ -36,12 +33,8 @@ def node_local(comm: Comm | None = None) -> tuple[int, int]:
     if comm is not None:
         node = comm.node()
         return node.rank, node.size
-    for name in _LOCAL_RANK_VARS:
-        if os.environ.get(name, "").isdigit():
-            size = next((int(os.environ[s]) for s in _LOCAL_SIZE_VARS
-                         if os.environ.get(s, "").isdigit()), 0)
-            return int(os.environ[name]), size
-    return 0, 1
+    found = launch.detect()
+    return (found.local_rank, found.local_size) if found is not None else (0, 1)
 
 
 def local_rank(comm: Comm | None = None) -> int:

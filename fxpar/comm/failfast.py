@@ -33,31 +33,26 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
+from fxpar.comm import launch
 from fxpar.core.options import flag
 from fxpar.core.plan import PlanError
 
 FAILFAST_ENV = "FXPAR_FAILFAST"
 END_GRACE = 0.5
 """Seconds between printing why the job ends and MPI_Abort."""
-# Environment variables an MPI launcher sets in every rank (MPICH/Hydra, Open MPI, Slurm).
-LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
-SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 
 
 def launched() -> bool:
-    """Whether an MPI launcher started this process."""
-    return any(v in os.environ for v in LAUNCHER_VARS)
+    """Whether a launcher (mpiexec, srun, torchrun: fxpar.comm.launch) started this process."""
+    return launch.launched()
 
 
 def _launched_size() -> int:
-    for var in SIZE_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 1
+    return launch.launched_size() or 2  # a launcher that does not say: assume a real job
 
 
 # -- messages (docs/errors.md shows them) ---------------------------------------------------
@@ -99,16 +94,12 @@ _abort: Callable[[int], None] | None = None
 
 
 YIELD_VAR = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
-LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
 
-def oversubscribed(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+def oversubscribed(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the launcher put more ranks on this node than this process may use cores."""
-    env = os.environ if environ is None else environ
-    for var in LOCAL_SIZE_VARS:
-        if env.get(var, "").isdigit():
-            return int(env[var]) > len(os.sched_getaffinity(0))
-    return False
+    found = launch.detect(environ)
+    return found is not None and found.local_size > len(os.sched_getaffinity(0))
 
 
 def mpi() -> Any:
@@ -125,8 +116,19 @@ def mpi() -> Any:
     return MPI
 
 
+def _mpi_running() -> Any:
+    """mpi4py's MPI module when this process initialised MPI, else None (a torchrun job)."""
+    module = sys.modules.get("mpi4py.MPI")
+    return module if module is not None and module.Is_initialized() and \
+        not module.Is_finalized() else None
+
+
 def _world_abort(code: int) -> None:
-    mpi().COMM_WORLD.Abort(code)
+    """MPI_Abort; without MPI, just this process's exit: torchrun's agent (or ``srun
+    --kill-on-bad-exit=1``) then ends the other ranks."""
+    running = _mpi_running()
+    if running is not None:
+        running.COMM_WORLD.Abort(code)
 
 
 def say(text: str) -> None:
@@ -169,8 +171,11 @@ def _end_job(rank: int, size: int, text: str) -> None:
 
 
 def _rank_size() -> tuple[int, int]:
-    world = mpi().COMM_WORLD
-    return world.Get_rank(), world.Get_size()
+    running = _mpi_running()
+    if running is not None:
+        return running.COMM_WORLD.Get_rank(), running.COMM_WORLD.Get_size()
+    found = launch.detect()
+    return (found.rank, found.size) if found is not None else (0, 1)
 
 
 def fail(exc: BaseException) -> None:

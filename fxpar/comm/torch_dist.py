@@ -47,15 +47,21 @@ _world: TorchComm | None = None
 class Work:
     """A pending torch.distributed operation (same interface as fxpar.comm.mpi.Request)."""
 
-    def __init__(self, work: Any, keep: object, what: Callable[[], str]) -> None:
+    def __init__(self, work: Any, keep: object, what: Callable[[], str],
+                 done: Callable[[], object] | None = None) -> None:
         self._work = work
         self._keep = keep
         self._what = what
+        self._done = done
+        """Run once when the operation completed (a staged receive's copy into its tensor)."""
 
     def wait(self) -> None:
         with watching(self._what):  # FXPAR_WATCHDOG covers this backend too
             self._work.wait()
         self._keep = None
+        if self._done is not None:
+            done, self._done = self._done, None
+            done()
 
     def test(self) -> bool:
         done = bool(self._work.is_completed())

@@ -2,26 +2,68 @@
 
 from __future__ import annotations
 
-from fxpar.comm import failfast, watchdog
+import os
+
+from fxpar.comm import failfast, launch, watchdog
+from fxpar.comm.distributed import dist_world
 from fxpar.comm.mpi import Comm
+from fxpar.comm.protocol import Comm as AnyComm
 from fxpar.comm.torch_dist import torch_world
 from fxpar.core.options import setting
 
 
-def world(backend: str | None = None) -> Comm:
+def world(backend: str | None = None) -> AnyComm:
     """The communicator of every rank in the job.
 
-    backend: "mpi" (mpi4py, the default) or "torch" (torch.distributed, see fxpar.comm.torch_dist:
-    NCCL collectives on GPUs); None reads ``FXPAR_COMM`` (default "mpi")."""
+    backend: "mpi" (mpi4py) or "torch" (torch.distributed: NCCL collectives on GPUs); None
+    reads ``FXPAR_COMM``, else the launcher decides (fxpar.comm.launch: torch.distributed alone
+    under torchrun, MPI under mpiexec and srun). "torch" in a job an MPI launcher started joins
+    torch.distributed through MPI (fxpar.comm.torch_dist); in one torchrun started, or under
+    srun with ``MASTER_ADDR`` set, through torch.distributed's own rendezvous, with no MPI at
+    all (fxpar.comm.distributed)."""
     watchdog.configure()
-    backend = backend or setting("comm") or "mpi"
+    backend = backend or setting("comm") or launch.backend()
+    mpi_launched = launch.backend() == "mpi"
     if backend == "mpi":
-        comm: Comm = Comm()
-    elif backend == "torch":
-        comm = torch_world()
-    else:
+        if not mpi_launched:
+            raise ValueError(f"FXPAR_COMM=mpi, but {launch.detect().name} started this job, "
+                             f"not an MPI launcher: unset FXPAR_COMM (torch.distributed is "
+                             f"used), or start it with mpiexec / srun")
+        comm: AnyComm = Comm()
+        if comm.size > 1 and failfast.launched():
+            watchdog.attach()  # collective, once per process: every rank's first world()
+        _check_size(comm)
+        return comm
+    if backend != "torch":
         raise ValueError(f"unknown communication backend {backend!r} (FXPAR_COMM or "
                          f"world(backend=...)): use 'mpi' or 'torch'")
-    if comm.size > 1 and failfast.launched():
-        watchdog.attach()  # collective, once per process: every rank's first world()
-    return comm
+    found = launch.detect()
+    if found is None or (mpi_launched and "MASTER_ADDR" not in os.environ):
+        comm = torch_world()  # through MPI (a plain process: a world of one)
+        if comm.size > 1:
+            watchdog.attach()
+        return comm
+    return dist_world()  # no MPI: the watchdog's limit holds, without its cross-rank report
+
+
+def _check_size(comm: AnyComm) -> None:
+    """A launcher whose ranks the MPI library cannot see (an srun with pip's mpich, which has
+    no Slurm PMI; another MPI's mpiexec) gives every rank a world of one: say so instead of
+    running N copies of a one-rank job."""
+    found = launch.detect()
+    if found is None or found.size <= 1 or comm.size == found.size:
+        return
+    library = failfast.mpi().Get_library_version().splitlines()[0].strip()
+    raise RuntimeError(
+        f"{found.name} started {found.size} ranks but MPI sees {comm.size}: the MPI this "
+        f"Python loaded ({library}) cannot read {found.name}'s process manager. Start the job "
+        f"with that MPI's own mpiexec; under srun, use the site's MPI (`module load`; pip's "
+        f"mpich has no Slurm support) with `srun --mpi=pmix` (or pmi2); or run without MPI: "
+        f"torchrun, or FXPAR_COMM=torch with MASTER_ADDR set (docs/clusters.md)")
+
+
+def node_comm() -> AnyComm | None:
+    """What :func:`fxpar.comm.device.bind` asks for this rank's place on its node before the
+    job's communicator exists: MPI's world under an MPI launcher (its shared-memory split is
+    exact), None elsewhere (torchrun's ``LOCAL_RANK`` is exact; a plain process is alone)."""
+    return Comm() if failfast.launched() and launch.backend() == "mpi" else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import operator
@@ -329,5 +330,10 @@ def predict(model: nn.Module, plan: Plan, image: Any, out: str | Path | None = N
             for name, value in state.items():
                 if name in current:
                     current[name].copy_(value)
+    dtype = kwargs.get("dtype", torch.float32)
+    if any(p.dtype != dtype for p in model.parameters()):
+        # the model the regions are compiled from, not only the one predict_regions checks
+        # (a float32 model asked for float64 compiled float32 weights against float64 inputs)
+        model = copy.deepcopy(model).to(dtype)
     return predict_regions(model, plan, image, out, compile_crop=lambda example: compile(
         model, plan, example, loss_fn=loss_fn), **kwargs)

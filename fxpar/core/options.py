@@ -32,9 +32,14 @@ class Option:
 
 OPTIONS: dict[str, Option] = {
     "comm": Option(
-        "FXPAR_COMM", "mpi", "mpi | torch",
-        "The communication backend of `world()`: mpi4py, or torch.distributed bootstrapped "
-        "from the MPI ranks (NCCL collectives on GPUs, gloo on CPU)."),
+        "FXPAR_COMM", "", "mpi | torch",
+        "The communication backend of `world()`: mpi4py, or torch.distributed (NCCL "
+        "collectives on GPUs, gloo on CPU); unset: the launcher decides (torch.distributed "
+        "under torchrun, MPI under mpiexec and srun)."),
+    "mpiexec": Option(
+        "FXPAR_MPIEXEC", "", "path",
+        "The mpiexec fxpar.testing launches test cases with (a system Open MPI or the site's "
+        "MPI); unset: the one beside this Python (pip's mpich), else the one on PATH."),
     "torch_backend": Option(
         "FXPAR_TORCH_BACKEND", "", "nccl | gloo",
         "torch.distributed's backend under FXPAR_COMM=torch; unset: nccl when the rank has a "

@@ -26,7 +26,6 @@ from fxpar.core.stages import StageGraph, StageInput, Transfer
 from fxpar.program.graphdata import build
 from fxpar.program.layout import rank_folder, read_program
 from fxpar.program.program import (
-    _LAUNCHER_VARS,
     OptimizerFactory,
     Program,
     RankProgram,
@@ -80,7 +79,7 @@ def load(folder: str | os.PathLike[str], comm: Comm | None = None, *,
     n = int(info["world_size"])
     held = False
     if rank is None:
-        if comm is None and n == 1 and not any(v in os.environ for v in _LAUNCHER_VARS):
+        if comm is None and n == 1 and not failfast.launched():
             rank = 0
         else:
             from fxpar.comm.world import world

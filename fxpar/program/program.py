@@ -47,9 +47,6 @@ from fxpar.runtime.spatial.tags import max_tag
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 
 
-_LAUNCHER_VARS = failfast.LAUNCHER_VARS
-
-
 @dataclass(frozen=True)
 class Program:
     """The compiled job: every rank's stages and actions. Build rank programs from it."""
@@ -212,12 +209,12 @@ class Program:
 
         In a job of more than one rank this installs the fail-fast hook (fxpar.comm.failfast)
         before the first communication; the rank program holds it until closed."""
-        launched = any(v in os.environ for v in _LAUNCHER_VARS)
+        launched = failfast.launched()
         if device is not None:
             from fxpar.comm.device import bind
-            from fxpar.comm.mpi import Comm as MpiComm
+            from fxpar.comm.world import node_comm
 
-            where = bind(MpiComm() if launched else None, device)
+            where = bind(node_comm(), device)
             return self.local(comm).to(where)
         if comm is None and self.world_size == 1 and not launched:
             return self.for_rank(0)
@@ -227,7 +224,8 @@ class Program:
         if comm.size != self.world_size:
             raise PlanError(
                 f"this plan needs {self.world_size} ranks but the job has {comm.size}: "
-                f"run with `mpiexec -n {self.world_size}` (or change the plan)")
+                f"run with `mpiexec -n {self.world_size}` or `torchrun --nproc-per-node "
+                f"{self.world_size}` (or change the plan)")
         held = failfast.install()  # a rank failing from here on ends the whole job
         if comm.size > 1:  # the job's first communication: do all ranks hold the same program?
             failfast.agree(comm, self.fingerprint())

@@ -18,7 +18,7 @@ from helpers.launch import PATHS
 from torch import nn
 
 import fxpar
-from fxpar.comm import failfast
+from fxpar.comm import failfast, launch
 from fxpar.runtime.sync import Member, StageSync
 from fxpar.testing import run_cases
 
@@ -46,7 +46,7 @@ def test_importing_fxpar_leaves_the_exception_hooks_alone():
 def multi_rank(monkeypatch):
     """Look like rank 0 of a 2-rank launch (fail-fast installs); put everything back after."""
     before = (sys.excepthook, threading.excepthook)
-    for var in (*failfast.LAUNCHER_VARS, *failfast.SIZE_VARS, failfast.FAILFAST_ENV):
+    for var in (*launch.VARIABLES, failfast.FAILFAST_ENV):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PMI_RANK", "0")
     monkeypatch.setenv("PMI_SIZE", "2")

@@ -6,6 +6,7 @@ import inspect
 import pytest
 
 from fxpar.comm import protocol
+from fxpar.comm.distributed import DistComm
 from fxpar.comm.mpi import Comm as MpiComm
 from fxpar.comm.torch_dist import TorchComm
 
@@ -18,7 +19,8 @@ def test_the_protocol_lists_what_the_runtime_uses():
             "group", "barrier", "abort"} <= set(MEMBERS)
 
 
-@pytest.mark.parametrize("backend", [MpiComm, TorchComm], ids=["mpi", "torch"])
+@pytest.mark.parametrize("backend", [MpiComm, TorchComm, DistComm],
+                         ids=["mpi", "torch", "torchrun"])
 @pytest.mark.parametrize("name", MEMBERS)
 def test_each_backend_implements_each_member(backend, name):
     want = vars(protocol.Comm)[name]

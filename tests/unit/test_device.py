@@ -10,17 +10,15 @@ import torch
 
 import fxpar.comm.device as device
 import fxpar.comm.torch_dist as comm_torch
+from fxpar.comm import launch
 from fxpar.comm.device import DeviceError, bind, cuda_aware_mpi, node_local
 from fxpar.comm.mpi import Comm
 from fxpar.comm.route import Staging, direct
 
-_LOCAL = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALNRANKS",
-          "OMPI_COMM_WORLD_LOCAL_SIZE")
-
 
 @pytest.fixture
 def no_launcher(monkeypatch):
-    for name in _LOCAL:
+    for name in launch.VARIABLES:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -37,11 +35,15 @@ def fake_gpus(monkeypatch):
 
 def test_node_local_rank_from_launcher_variables(no_launcher, monkeypatch):
     assert node_local() == (0, 1)
+    monkeypatch.setenv("PMI_RANK", "5")
+    monkeypatch.setenv("PMI_SIZE", "8")
+    monkeypatch.setenv("MPI_LOCALRANKID", "1")
+    assert device.local_rank() == 1
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "7")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
-    assert node_local() == (3, 4)
-    monkeypatch.setenv("MPI_LOCALRANKID", "1")  # MPICH's name wins (listed first)
-    assert device.local_rank() == 1
+    assert node_local() == (3, 4)  # Open MPI's names win (listed first: fxpar.comm.launch)
 
 
 def test_node_local_rank_from_mpi_on_one_process():
@@ -60,6 +62,8 @@ def test_bind_cpu_and_auto_without_cuda(monkeypatch):
 
 def test_bind_by_local_rank_round_robin_warns_once_when_shared(no_launcher, monkeypatch,
                                                                 fake_gpus):
+    monkeypatch.setenv("PMI_RANK", "3")
+    monkeypatch.setenv("PMI_SIZE", "4")
     monkeypatch.setenv("MPI_LOCALRANKID", "3")
     monkeypatch.setenv("MPI_LOCALNRANKS", "4")
     with pytest.warns(UserWarning, match="4 ranks on this node share 2 GPU"):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fxpar
-from fxpar.comm import failfast, watchdog
+from fxpar.comm import failfast, launch, watchdog
 from fxpar.comm.failfast import Disagreement, agree
 
 
@@ -117,7 +117,7 @@ def test_bad_watchdog_environment_says_what_to_give(monkeypatch):
 
 
 def test_hook_is_installed_only_in_multi_rank_launches(monkeypatch):
-    for var in (*failfast.LAUNCHER_VARS, *failfast.SIZE_VARS):
+    for var in launch.VARIABLES:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(failfast, "_installed", False)
     assert failfast.install() is False  # plain python: exceptions behave as usual

@@ -186,8 +186,11 @@ def test_a_long_grid_shows_the_rows_around_the_marks():
 
 def test_oversubscription_is_read_from_the_launcher():
     cores = len(os.sched_getaffinity(0))
-    assert failfast.oversubscribed({"MPI_LOCALNRANKS": str(cores + 1)})
-    assert not failfast.oversubscribed({"MPI_LOCALNRANKS": str(cores)})
+    mpich = {"PMI_RANK": "0", "PMI_SIZE": "64"}
+    assert failfast.oversubscribed({**mpich, "MPI_LOCALNRANKS": str(cores + 1)})
+    assert not failfast.oversubscribed({**mpich, "MPI_LOCALNRANKS": str(cores)})
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "64"}
+    assert failfast.oversubscribed({**torchrun, "LOCAL_WORLD_SIZE": str(cores + 1)})
     assert not failfast.oversubscribed({})
 
 
