@@ -73,25 +73,19 @@ def nonfinite_message(step: int, bad: dict[int, int]) -> str:
             f"every rank: {NONFINITE_ENV}=skip (fxpar-run --nonfinite skip).")
 
 
-def _finite(ts: Iterable[torch.Tensor]) -> bool:
-    """Whether every element of ``ts`` is finite, read from their norms (one fused pass per
-    dtype, as ``clip_grad_norm_(error_if_nonfinite=True)`` does: 10x faster than testing every
-    element; a norm overflows only for values near the dtype's largest)."""
+def _nonfinite(ts: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """A 0-d bool tensor on the tensors' device: whether some element of ``ts`` is NaN or inf,
+    read from their norms (one fused pass per dtype, as ``clip_grad_norm_(error_if_nonfinite=
+    True)`` does: 10x faster than testing every element; a norm overflows only for values near
+    the dtype's largest). None for no elements. Nothing is read back to the host here."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in ts:
         if t.numel():
             groups.setdefault((t.device, t.dtype), []).append(t.detach())
-    return all(bool(torch.isfinite(torch.stack(torch._foreach_norm(g))).all())
-               for g in groups.values())
-
-
-def _flags(losses: Iterable[torch.Tensor], grads: Iterable[torch.Tensor],
-           buffers: Iterable[torch.Tensor]) -> int:
-    flags = 0
-    for bit, ts in ((_LOSS, losses), (_GRAD, grads), (_BUF, buffers)):
-        if not _finite(ts):
-            flags |= bit
-    return flags
+    bad = [~torch.isfinite(torch.stack(torch._foreach_norm(g))).all() for g in groups.values()]
+    if not bad:
+        return None
+    return torch.stack([b.to(bad[0].device) for b in bad]).any()
 
 
 @dataclass
@@ -114,6 +108,8 @@ class StepGuard:
     _bad: dict[int, int] = field(default_factory=dict, init=False)
     _start: float = field(default=0.0, init=False)
     _world: frozenset[int] | None = field(default=None, init=False)
+    total: float | None = field(default=None, init=False)
+    """The sum of this step's losses over every rank, read with the flags (None: not read)."""
 
     def __post_init__(self) -> None:
         nonfinite_policy(self.policy)
@@ -130,23 +126,36 @@ class StepGuard:
         if dog is not None:
             dog.step_began(step, self._members())
         self._bad = {}
+        self.total = None
         self._saved = [b.detach().clone() for b in self.buffers()] \
             if self.policy != "off" else None
         self._start = time.perf_counter()
         return step, self.injector.hook(step)
 
     def finite(self, losses: list[torch.Tensor]) -> bool:
-        """At STEP, on every rank: whether the step may go ahead (one allreduce)."""
+        """At STEP, on every rank: whether the step may go ahead. One allreduce and one read
+        back to the host for everything: every rank's NaN/inf flags and the sum of the step's
+        losses over all ranks (:attr:`total`, the loss the caller reports), so the step has
+        no other host synchronisation (a GPU waits for its queue once)."""
         if self.policy == "off":
             return True
-        mine = _flags(losses, self.grads(),
-                      [b for b in self.buffers() if b.is_floating_point()])
+        grads = self.grads()
+        buffers = [b for b in self.buffers() if b.is_floating_point()]
+        where = next((t.device for t in (*losses, *grads, *buffers)), torch.device("cpu"))
         size = self.comm.size if self.comm is not None else 1
-        flags = torch.zeros(size, dtype=torch.float64)
-        flags[self.rank if self.comm is not None else 0] = mine
+        me = self.rank if self.comm is not None else 0
+        both = torch.zeros(size + 1, dtype=torch.float64, device=where)
+        for bit, ts in ((_LOSS, losses), (_GRAD, grads), (_BUF, buffers)):
+            bad = _nonfinite(ts)
+            if bad is not None:
+                both[me] += bad.to(where, torch.float64) * bit
+        both[size] = sum((t.to(where, torch.float64) for t in losses),
+                         torch.zeros((), dtype=torch.float64, device=where))
         if size > 1:
-            self.comm.allreduce(flags)  # type: ignore[union-attr]
-        self._bad = {r: int(f) for r, f in enumerate(flags.tolist()) if f}
+            self.comm.allreduce(both)  # type: ignore[union-attr]
+        values = both.tolist()
+        self._bad = {r: int(f) for r, f in enumerate(values[:size]) if f}
+        self.total = values[size]
         return not self._bad
 
     def _members(self) -> frozenset[int] | None:

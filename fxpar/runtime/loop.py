@@ -43,6 +43,7 @@ from fxpar.core.geometry import Grid, Rect
 from fxpar.core.messages import Message, messages, transfer_kind
 from fxpar.core.schedule import Action, Schedule, format_grid, split_keys
 from fxpar.core.stages import StageGraph, Transfer
+from fxpar.runtime.clock import Clock
 from fxpar.runtime.recompute import Record, buffers, recording, replaying, restore
 from fxpar.runtime.segments import Segmented, segmented
 from fxpar.runtime.splitgrad import WeightWork, backward_inputs
@@ -132,6 +133,8 @@ class ActionTime:
     start: float
     end: float
     wait: float
+    marks: tuple[Any, Any] | None = None
+    """Marks on the device's queue before and after it (fxpar.runtime.clock; None on CPU)."""
 
 
 class ActionFailed(RuntimeError):
@@ -161,6 +164,8 @@ class Runtime:
     """Sums gradients over the stage groups (the ALLREDUCE action)."""
     timeline: list[ActionTime] | None = None
     """When a list, every action run appends its :class:`ActionTime` (see the module doc)."""
+    clock: Clock | None = None
+    """With a timeline: marks each action on the device's queue too (CUDA events)."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Where receive buffers and zero gradients are made (the stage modules' device)."""
     recompute: frozenset[int] = frozenset()
@@ -204,10 +209,12 @@ class Runtime:
                     handlers[action.kind](action, state)
                 else:
                     self._waited = 0.0
+                    first = self.clock.mark() if self.clock is not None else None
                     start = time.perf_counter()
                     handlers[action.kind](action, state)
-                    self.timeline.append(ActionTime(action, start, time.perf_counter(),
-                                                    self._waited))
+                    end = time.perf_counter()
+                    marks = (first, self.clock.mark()) if self.clock is not None else None
+                    self.timeline.append(ActionTime(action, start, end, self._waited, marks))
             except Exception as e:
                 mark = (self.rank, i) if actions is None else None
                 grid = format_grid(self.schedule, mark=mark)

@@ -152,7 +152,7 @@ class StageSync:
         self.members = members
         self.comm = comm
         self.chunks = chunks
-        self._start: list[dict[str, tuple[torch.Tensor, torch.Tensor, int]]] = []
+        self._start: list[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
         if comm is not None and comm.size > 1 or len(members) > 1:
             for problem in sync_problems([m.module for m in members], "this stage")[:1]:
                 raise PlanError(problem)
@@ -245,9 +245,10 @@ class StageSync:
         return running_stats(m.module)
 
     def begin(self) -> None:
-        """Remember the running statistics at the start of the step."""
+        """Remember the running statistics at the start of the step (copies on the device:
+        nothing is read back to the host)."""
         self._start = [{n: (b.running_mean.clone(), b.running_var.clone(),
-                            int(b.num_batches_tracked))  # type: ignore[arg-type]
+                            b.num_batches_tracked.clone())  # type: ignore[union-attr]
                         for n, b in self._bns(m)} for m in self.members]
 
     def stats(self) -> None:
@@ -289,4 +290,4 @@ class StageSync:
             for bn in bns:
                 bn[name].running_mean.copy_(new_m)
                 bn[name].running_var.copy_(new_v)
-                bn[name].num_batches_tracked.fill_(n0 + self.chunks)  # type: ignore[union-attr]
+                bn[name].num_batches_tracked.copy_(n0 + self.chunks)  # type: ignore[union-attr]

@@ -7,8 +7,10 @@ The JSON is a contract with ``fxpar-inspect --timeline FILE.png --from-metrics``
      "steps": int, "batch_size": int, "images_per_s": float,
      "ranks": [{"rank": int, "roles": [{"copy": int, "stage": int, "tile": int}],
                 "peak_memory_bytes": int, "compute_s": float, "comm_s": float, "step_s": float,
+                "device_compute_s": float,           # on a GPU only (CUDA events)
                 "timeline": [{"action": "c0.0F0", "kind": "F", "stage": 0, "mb": 0, "copy": 0,
-                              "start": s, "end": s, "wait": s}, ...]}, ...],
+                              "start": s, "end": s, "wait": s,
+                              "device_s": s}, ...]}, ...],   # device_s: on a GPU only
      "eval": [...]}                          # only with fxpar-run --val-data (see below)
 
 Per step: compute = F/B/STEP time minus the time they sat blocked on communication (receive
@@ -18,6 +20,10 @@ holds the loss allreduce). compute_s, comm_s, step_s and images_per_s are median
 2.. (step 1 warms up; with one step, that step). Timeline times are seconds from the start of
 the last step's ``train_step`` on that rank. A halo exchange inside a spatial stage runs inside
 its F/B action, so it counts as compute (see fxpar.runtime.loop).
+
+On a GPU the host times above are the times to queue the work; ``device_s`` is each action's
+time on the GPU between CUDA events recorded before and after it on the current stream, and
+``device_compute_s`` the median over steps of the compute actions' sum (fxpar.runtime.clock).
 
 ``eval`` (optional: present when the run validated, ``--val-data``) lists every validation
 pass in order (fxpar.train.evaluate; every metric over the whole validation set, padding
@@ -49,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxpar.core.units import nbytes
+from fxpar.runtime.clock import Clock, device_clock
 from fxpar.runtime.loop import ActionTime
 
 if TYPE_CHECKING:
@@ -68,6 +75,8 @@ class StepTimes:
     step_s: float
     compute_s: float
     comm_s: float
+    device_s: float | None = None
+    """GPU time of the compute actions (CUDA events, fxpar.runtime.clock); None on CPU."""
 
 
 def split_times(timeline: list[ActionTime]) -> tuple[float, float]:
@@ -88,6 +97,8 @@ class Recorder:
     """Runs one rank's training steps with the runtime's action timing switched on."""
 
     rp: RankProgram
+    clock: Clock | None = None
+    """Marks on the device's queue (default: CUDA events on a GPU, none on CPU)."""
     steps: list[StepTimes] = field(default_factory=list)
     last: list[dict[str, Any]] = field(default_factory=list)
     """The last step's timeline, as the JSON entries."""
@@ -96,6 +107,7 @@ class Recorder:
         """One ``train_step``; returns (loss, seconds)."""
         runtime = self.rp.runtime
         runtime.timeline = []
+        runtime.clock = self.clock if self.clock is not None else device_clock(self.rp.device)
         start = time.perf_counter()
         try:
             loss = self.rp.train_step(x, y)
@@ -103,12 +115,20 @@ class Recorder:
             timeline = runtime.timeline
         finally:
             runtime.timeline = None
+        clock, runtime.clock = runtime.clock, None
         compute, comm = split_times(timeline)
-        self.steps.append(StepTimes(took, compute, comm))
+        device = [clock.seconds(*t.marks) if clock is not None and t.marks is not None
+                  else None for t in timeline]
+        busy = sum(d for t, d in zip(timeline, device, strict=True)
+                   if d is not None and t.action.kind in COMPUTE_KINDS) \
+            if clock is not None else None
+        self.steps.append(StepTimes(took, compute, comm, busy))
         self.last = [{"action": str(t.action), "kind": t.action.kind, "stage": t.action.stage,
                       "mb": t.action.mb, "copy": t.action.copy,
                       "start": round(t.start - start, 6), "end": round(t.end - start, 6),
-                      "wait": round(t.wait, 6)} for t in timeline]
+                      "wait": round(t.wait, 6),
+                      **({"device_s": round(d, 6)} if d is not None else {})}
+                     for t, d in zip(timeline, device, strict=True)]
         return loss, took
 
     def steady(self) -> list[StepTimes]:
@@ -128,6 +148,8 @@ class Recorder:
             "compute_s": med([s.compute_s for s in steady]),
             "comm_s": med([s.comm_s for s in steady]),
             "step_s": med([s.step_s for s in steady]),
+            **({"device_compute_s": med([s.device_s for s in steady if s.device_s is not None])}
+               if any(s.device_s is not None for s in steady) else {}),
             "timeline": self.last,
         }
 

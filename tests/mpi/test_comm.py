@@ -10,7 +10,7 @@ from fxpar.testing import run_cases
 HERE = Path(__file__).parent / "cases" / "comm_cases.py"
 CASES = [f"{HERE}::{n}" for n in ("case_p2p_ring", "case_recv_lands_in_place",
                                   "case_collectives", "case_subcommunicators",
-                                  "case_device_paths")]
+                                  "case_device_paths", "case_one_host_read_per_step")]
 
 pytestmark = pytest.mark.mpi
 

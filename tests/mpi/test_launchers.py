@@ -125,6 +125,7 @@ TORCHRUN_CASES = [f"{CASES / f}::{n}" for f, n in (
     ("gems_dp_cases.py", "case_sp_gems_lp_resnet18"),
     ("comm_cases.py", "case_collectives"),
     ("comm_cases.py", "case_subcommunicators"),
+    ("comm_cases.py", "case_one_host_read_per_step"),
 )]
 
 
@@ -136,8 +137,8 @@ def torchrun_results():
 @pytest.mark.parametrize("case", TORCHRUN_CASES, ids=lambda c: c.split("::")[1])
 def test_transparency_under_torchrun(torchrun_results, case):
     """Spatial + layer pipeline, zero-bubble SP2 x PP2, SP2 x DP2, SP + GEMS (float64, vs one
-    process), and the communicator's own collectives and sub-communicators, on four ranks
-    that torchrun started."""
+    process), the communicator's own collectives and sub-communicators, and one host read per
+    training step, on four ranks that torchrun started."""
     torchrun_results[case].check()
     assert "torchrun" not in torchrun_results[case].report
 
@@ -176,7 +177,7 @@ def test_transparency_under_a_system_open_mpi(monkeypatch):
            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_rmaps_base_oversubscribe": "1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    cases = [*TORCHRUN_CASES, f"{CASES / 'comm_cases.py'}::case_device_paths"]
+    cases = TORCHRUN_CASES
     res = run_cases(cases, n=4, timeout=400, pythonpath=PATHS, env=env)
     for case in cases:
         res[case].check()

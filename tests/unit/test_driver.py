@@ -271,6 +271,39 @@ def test_runtime_records_every_action_only_when_asked():
     assert s.step_s == took and 0 < s.compute_s and s.compute_s + s.comm_s <= took
 
 
+def test_device_times_of_every_action_from_the_clock():
+    """On a GPU the recorder marks each action on the device's queue (CUDA events) and reads
+    the marks after the step: here a clock whose marks are counters, 1 ms apart, stands in for
+    the events (fxpar.runtime.clock.CudaClock is the real one)."""
+
+    class Counting:
+        def __init__(self):
+            self.n = 0
+
+        def mark(self):
+            self.n += 1
+            return self.n
+
+        def seconds(self, start, end):
+            return (end - start) * 1e-3
+
+    torch.manual_seed(0)
+    rp = fxpar.compile(tiny_net(), fxpar.Plan(microbatches=2),
+                       torch.empty((4, 3, 20, 20), device="meta")).local()
+    clock = Counting()
+    rec = Recorder(rp, clock=clock)
+    x, y = torch.randn(4, 3, 20, 20), torch.tensor([0, 1, 2, 0])
+    for _ in range(2):
+        rec.step(x, y)
+    assert clock.n == 2 * 2 * len(rp.actions) and rp.runtime.clock is None
+    assert [e["device_s"] for e in rec.last] == [1e-3] * len(rp.actions)
+    compute = sum(1 for a in rp.actions if a.kind in ("F", "B", "W", "STEP"))
+    assert rec.rank_entry()["device_compute_s"] == pytest.approx(compute * 1e-3)
+    plain = Recorder(rp)  # CPU: host times are device times, no marks
+    plain.step(x, y)
+    assert "device_s" not in plain.last[0] and "device_compute_s" not in plain.rank_entry()
+
+
 def test_compute_and_comm_split_of_a_timeline():
     def t(text, start, end, wait=0.0):
         return ActionTime(Action.from_str(text), start, end, wait)

@@ -132,3 +132,36 @@ def case_device_paths() -> None:
         finally:
             for k in env:
                 del os.environ[k]
+
+
+def case_one_host_read_per_step() -> None:
+    """Inside a training step, nothing reads a tensor's values back to the host but the loss
+    the step returns (fxpar.perf.syncs.HostReads: on a GPU each read stops the host until
+    the queue drains). Spatial with synchronised BatchNorm, a 1F1B pipeline, data parallel
+    and GEMS, each on the ranks it needs; the count is per rank, and the returned loss is
+    the same on every rank of the plan."""
+    from helpers.transparency import sub_comm
+
+    from fxpar.perf.syncs import HostReads
+
+    plans = (fxpar.Plan(spatial_parts=2), fxpar.Plan(stages=2, microbatches=2, schedule="1f1b"),
+             fxpar.Plan(data_parallel=2), fxpar.Plan(stages=2, gems=True, microbatches=2))
+    for plan in plans:
+        torch.manual_seed(0)
+        model = _Tiny().double()
+        x = torch.randn(8, 3, 9, 8, dtype=torch.float64)
+        y = torch.randint(0, 5, (8,))
+        program = fxpar.compile(model, plan, x, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        comm = sub_comm(program.world_size)
+        if comm is None:
+            world().barrier()  # wait for the plan's ranks
+            continue
+        rp = program.local(comm)
+        rp.train_step(x, y)  # warm-up: buffers, shapes, staging pools
+        with HostReads() as reads:
+            loss = rp.train_step(x, y)
+        assert reads.count == 1, f"{plan}: {reads.count} host reads in a step: {reads.report()}"
+        losses = comm.allgather_object(loss)
+        assert len(set(losses)) == 1, losses
+        rp.close()
+        world().barrier()
