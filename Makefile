@@ -9,7 +9,7 @@ OLD    := .venv-oldest-torch
 OLD_STAMP := $(OLD)/.fxpar-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test test-full test-quick test-oldest-torch lint demo clean
+.PHONY: install test test-full test-quick test-oldest-torch lint demo gpu-check clean
 
 install: $(STAMP)
 
@@ -55,6 +55,12 @@ $(OLD_STAMP): pyproject.toml
 
 demo: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) tools/demo.py
+
+# one GPU node, one command that ends within 8 minutes (tools/gpu_check.py): the GPU
+# transparency tests, then docs/gpu.md. It runs the node's own python3 (no .venv; fxpar is
+# installed editable if it is not importable); without a GPU it says so in one line, exit 0
+gpu-check:
+	@$(PYTHON) tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) $(OLD) build *.egg-info
