@@ -41,7 +41,14 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
 from fxpar.comm import launch
-from fxpar.comm.torch_dist import Work, _process_group, _timeout
+from fxpar.comm.torch_dist import (
+    Work,
+    _process_group,
+    _timeout,
+    blocking_recv,
+    blocking_send,
+    blocking_sendrecv,
+)
 from fxpar.comm.watchdog import watching
 from fxpar.core.options import setting
 
@@ -178,20 +185,9 @@ class DistComm:
                     lambda: self._p2p("receive", t, "from", src, tag),
                     done=lambda: t.copy_(host))
 
-    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self.isend(t, dst, tag).wait()
-
-    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        self.irecv(t, src, tag).wait()
-        return t
-
-    def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
-                 tag: int = 0) -> torch.Tensor:
-        r = self.irecv(recv, src, tag)
-        s = self.isend(send, dst, tag)
-        r.wait()
-        s.wait()
-        return recv
+    send = blocking_send
+    recv = blocking_recv
+    sendrecv = blocking_sendrecv
 
     @staticmethod
     def waitall(requests: Sequence[Any]) -> None:

@@ -70,6 +70,25 @@ class Work:
         return done
 
 
+def blocking_send(self: Any, t: torch.Tensor, dst: int, tag: int = 0) -> None:
+    """``send`` of a communicator whose point-to-point is its ``isend`` / ``irecv``."""
+    self.isend(t, dst, tag).wait()
+
+
+def blocking_recv(self: Any, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+    self.irecv(t, src, tag).wait()
+    return t
+
+
+def blocking_sendrecv(self: Any, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
+                      tag: int = 0) -> torch.Tensor:
+    r = self.irecv(recv, src, tag)
+    s = self.isend(send, dst, tag)
+    r.wait()
+    s.wait()
+    return recv
+
+
 def _process_group(store: Any, prefix: str, rank: int, size: int, backend: str) -> Any:
     """A process group of ``size`` ranks rendezvousing under ``prefix`` of ``store``."""
     from torch._C._distributed_c10d import PrefixStore
@@ -122,20 +141,9 @@ class TorchComm(Comm):
         return Work(self._pg.recv([t], src, tag), t,
                     lambda: self._p2p("receive", t, "from", src, tag))
 
-    def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self.isend(t, dst, tag).wait()
-
-    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        self.irecv(t, src, tag).wait()
-        return t
-
-    def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
-                 tag: int = 0) -> torch.Tensor:
-        r = self.irecv(recv, src, tag)
-        s = self.isend(send, dst, tag)
-        r.wait()
-        s.wait()
-        return recv
+    send = blocking_send
+    recv = blocking_recv
+    sendrecv = blocking_sendrecv
 
     # -- collectives ------------------------------------------------------------------------
     def _start_allreduce(self, t: torch.Tensor, op: str) -> Any:
