@@ -412,9 +412,10 @@ CATALOGUE: list[Entry] = [
           lambda: build(Plan(microbatches=2)).local().train_step(
               torch.randn(4, 3, 8, 8), [0, 1, 2, 0])),
     # launch
-    Entry("launch-world-size", "launch", "mpiexec -n does not match the plan", PlanError,
+    Entry("launch-world-size", "launch", "the job's size does not match the plan", PlanError,
           r"this plan needs \d+ ranks but the job has",
-          "Run with `mpiexec -n <program.world_size>`, or change the plan.",
+          "Run with `mpiexec -n <program.world_size>` (or `torchrun --nproc-per-node`, "
+          "`srun -n`), or change the plan.",
           lambda: build(Plan(stages=2)).local(comm=FakeComm(3))),  # type: ignore[arg-type]
     Entry("launch-rank-outside", "launch", "for_rank() of a rank the plan does not have",
           PlanError, r"^rank \d+ is outside this plan's",
