@@ -48,12 +48,14 @@ from fxpar.comm.torch_dist import (
     blocking_recv,
     blocking_send,
     blocking_sendrecv,
+    pg_allgather,
+    pg_allreduce,
+    pg_broadcast,
 )
 from fxpar.comm.watchdog import watching
 from fxpar.core.options import setting
 
 TAG_UB = 2**31 - 1
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _NARROW = (torch.bfloat16, torch.float16)
 """Reduced in float32 and rounded once (as fxpar.comm.mpi does)."""
 
@@ -196,17 +198,8 @@ class DistComm:
 
     # -- collectives ------------------------------------------------------------------------
     def _start_allreduce(self, t: torch.Tensor, op: str) -> Any:
-        if not t.is_contiguous():
-            raise ValueError("allreduce buffer must be contiguous (the result would land in a "
-                             "copy)")
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = _OPS[op]
-        if t.dtype in _NARROW:
-            wide = t.float()
-            return Work(self._pg(t).allreduce([wide], opts), wide,
-                        lambda: self._coll(f"allreduce ({op})", t), done=lambda: t.copy_(wide))
-        return Work(self._pg(t).allreduce([t], opts), t,
-                    lambda: self._coll(f"allreduce ({op})", t))
+        return pg_allreduce(self._pg(t), t, op, lambda: self._coll(f"allreduce ({op})", t),
+                            wide=torch.float32 if t.dtype in _NARROW else None)
 
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self._start_allreduce(t, op).wait()
@@ -216,23 +209,14 @@ class DistComm:
         return self._start_allreduce(t, "sum")
 
     def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(t, memory_format=torch.contiguous_format)
-               for _ in range(self.size)]
-        Work(self._pg(t).allgather([out], [t.contiguous()]), out,
-             lambda: self._coll("allgather", t)).wait()
-        return out
+        return pg_allgather(self._pg(t), t, self.size, lambda: self._coll("allgather", t))
 
     def gather(self, t: torch.Tensor, root: int = 0) -> list[torch.Tensor] | None:
         everyone = self.allgather(t)  # gloo and NCCL alike; gathers are start-up only
         return everyone if self._rank == root else None
 
     def bcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
-        if not t.is_contiguous():
-            raise ValueError("broadcast buffer must be contiguous (data would land in a copy)")
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root
-        Work(self._pg(t).broadcast([t], opts), t, lambda: self._coll("broadcast", t)).wait()
-        return t
+        return pg_broadcast(self._pg(t), t, root, lambda: self._coll("broadcast", t))
 
     def allgather_object(self, obj: object) -> list[Any]:
         """Every rank's picklable ``obj``: the sizes, then the padded bytes, over gloo."""

@@ -89,6 +89,43 @@ def blocking_sendrecv(self: Any, send: torch.Tensor, dst: int, recv: torch.Tenso
     return recv
 
 
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def pg_allreduce(pg: Any, t: torch.Tensor, op: str, what: Callable[[], str],
+                 wide: torch.dtype | None = None) -> Work:
+    """Start an in-place allreduce of ``t`` (contiguous) on process group ``pg``; ``wide``:
+    reduce a copy in that dtype, rounded into ``t`` once when the work completes."""
+    if not t.is_contiguous():
+        raise ValueError("allreduce buffer must be contiguous (the result would land in a copy)")
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _OPS[op]
+    if wide is not None and wide != t.dtype:
+        buf = t.to(wide)
+        return Work(pg.allreduce([buf], opts), buf, what, done=lambda: t.copy_(buf))
+    return Work(pg.allreduce([t], opts), t, what)
+
+
+def pg_allgather(pg: Any, t: torch.Tensor, size: int,
+                 what: Callable[[], str]) -> list[torch.Tensor]:
+    """Every member's ``t`` in rank order, gathered on process group ``pg`` of ``size``."""
+    out = [torch.empty_like(t, memory_format=torch.contiguous_format) for _ in range(size)]
+    with watching(what):
+        pg.allgather([out], [t.contiguous()]).wait()
+    return out
+
+
+def pg_broadcast(pg: Any, t: torch.Tensor, root: int, what: Callable[[], str]) -> torch.Tensor:
+    """In-place broadcast of ``t`` (contiguous) from ``root`` on process group ``pg``."""
+    if not t.is_contiguous():
+        raise ValueError("broadcast buffer must be contiguous (data would land in a copy)")
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    with watching(what):
+        pg.broadcast([t], opts).wait()
+    return t
+
+
 def _process_group(store: Any, prefix: str, rank: int, size: int, backend: str) -> Any:
     """A process group of ``size`` ranks rendezvousing under ``prefix`` of ``store``."""
     from torch._C._distributed_c10d import PrefixStore
@@ -147,14 +184,7 @@ class TorchComm(Comm):
 
     # -- collectives ------------------------------------------------------------------------
     def _start_allreduce(self, t: torch.Tensor, op: str) -> Any:
-        if not t.is_contiguous():
-            raise ValueError("allreduce buffer must be contiguous (the result would land in a "
-                             "copy)")
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                         "min": dist.ReduceOp.MIN}[op]
-        return Work(self._pg.allreduce([t], opts), t,
-                    lambda: self._coll(f"allreduce ({op})", t))
+        return pg_allreduce(self._pg, t, op, lambda: self._coll(f"allreduce ({op})", t))
 
     def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if not self._mine(t):
@@ -170,11 +200,7 @@ class TorchComm(Comm):
     def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
         if not self._mine(t):
             return super().allgather(t)
-        out = [torch.empty_like(t, memory_format=torch.contiguous_format)
-               for _ in range(self.size)]
-        with watching(lambda: self._coll("allgather", t)):
-            self._pg.allgather([out], [t.contiguous()]).wait()
-        return out
+        return pg_allgather(self._pg, t, self.size, lambda: self._coll("allgather", t))
 
     def gather(self, t: torch.Tensor, root: int = 0) -> list[torch.Tensor] | None:
         if not self._mine(t):
@@ -190,13 +216,7 @@ class TorchComm(Comm):
     def bcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         if not self._mine(t):
             return super().bcast(t, root)
-        if not t.is_contiguous():
-            raise ValueError("broadcast buffer must be contiguous (data would land in a copy)")
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root
-        with watching(lambda: self._coll("broadcast", t)):
-            self._pg.broadcast([t], opts).wait()
-        return t
+        return pg_broadcast(self._pg, t, root, lambda: self._coll("broadcast", t))
 
     # -- sub-communicators: Comm.split / group / node build TorchComms through _sub -----------
     def free(self) -> None:

@@ -22,23 +22,23 @@ def world(backend: str | None = None) -> AnyComm:
     srun with ``MASTER_ADDR`` set, through torch.distributed's own rendezvous, with no MPI at
     all (fxpar.comm.distributed)."""
     watchdog.configure()
-    backend = backend or setting("comm") or launch.backend()
-    mpi_launched = launch.backend() == "mpi"
+    found = launch.detect()  # None: a plain process
+    implied = found.launcher.comm if found is not None else "mpi"
+    backend = backend or setting("comm") or implied
     if backend == "mpi":
-        if not mpi_launched:
-            raise ValueError(f"FXPAR_COMM=mpi, but {launch.detect().name} started this job, "
-                             f"not an MPI launcher: unset FXPAR_COMM (torch.distributed is "
-                             f"used), or start it with mpiexec / srun")
+        if found is not None and implied != "mpi":
+            raise ValueError(f"FXPAR_COMM=mpi, but {found.name} started this job, not an MPI "
+                             f"launcher: unset FXPAR_COMM (torch.distributed is used), or "
+                             f"start it with mpiexec / srun")
         comm: AnyComm = Comm()
-        if comm.size > 1 and failfast.launched():
+        if comm.size > 1 and found is not None:
             watchdog.attach()  # collective, once per process: every rank's first world()
-        _check_size(comm)
+        _check_size(comm, found)
         return comm
     if backend != "torch":
         raise ValueError(f"unknown communication backend {backend!r} (FXPAR_COMM or "
                          f"world(backend=...)): use 'mpi' or 'torch'")
-    found = launch.detect()
-    if found is None or (mpi_launched and "MASTER_ADDR" not in os.environ):
+    if found is None or (implied == "mpi" and "MASTER_ADDR" not in os.environ):
         comm = torch_world()  # through MPI (a plain process: a world of one)
         if comm.size > 1:
             watchdog.attach()
@@ -46,11 +46,10 @@ def world(backend: str | None = None) -> AnyComm:
     return dist_world()  # no MPI: the watchdog's limit holds, without its cross-rank report
 
 
-def _check_size(comm: AnyComm) -> None:
+def _check_size(comm: AnyComm, found: launch.Launch | None) -> None:
     """A launcher whose ranks the MPI library cannot see (an srun with pip's mpich, which has
     no Slurm PMI; another MPI's mpiexec) gives every rank a world of one: say so instead of
     running N copies of a one-rank job."""
-    found = launch.detect()
     if found is None or found.size <= 1 or comm.size == found.size:
         return
     library = failfast.mpi().Get_library_version().splitlines()[0].strip()
