@@ -10,10 +10,12 @@ What goes where:
 
 * CPU tensors, pickled objects and barriers: a gloo process group (always there).
 * CUDA tensors under NCCL (``FXPAR_TORCH_BACKEND=nccl``, default when the rank has a GPU):
-  collectives on an NCCL process group over the same ranks. Point-to-point messages of CUDA
-  tensors go through pinned host buffers over gloo: NCCL ignores tags and runs a pair's sends and
-  receives in issue order on one stream, which deadlocks the runtime's "post every receive
-  first" exchanges.
+  collectives and point-to-point on an NCCL process group over the same ranks, device to
+  device. NCCL ignores tags and runs a pair's sends and receives in issue order, so fxpar
+  issues them in an order both ends agree on (fxpar.comm.ordered, fxpar.core.wire).
+  ``FXPAR_P2P=staged``: CUDA point-to-point through pinned host buffers over gloo instead;
+  ``FXPAR_P2P=issue``: gloo ignores tags too (one tag for all), which tests that order on
+  CPU.
 
 Sub-communicators are collective over their members only, like MPI's ``MPI_Comm_create_group``:
 each is named from its members, its tag and how many such groups this communicator made before
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
 from fxpar.comm import launch
+from fxpar.comm.ordered import Issued
 from fxpar.comm.torch_dist import (
     Work,
     _process_group,
@@ -48,6 +51,8 @@ from fxpar.comm.torch_dist import (
     blocking_recv,
     blocking_send,
     blocking_sendrecv,
+    p2p_mode,
+    p2p_tag,
     pg_allgather,
     pg_allreduce,
     pg_broadcast,
@@ -133,6 +138,11 @@ class DistComm:
         self._family: list[DistComm] = []
         """This communicator's sub-communicators (the world's: all), released at exit."""
         self._self = _Mailbox()
+        self._mode = p2p_mode()
+        """FXPAR_P2P: how point-to-point tensors travel (module doc)."""
+        self._wire: list[Issued] = []
+        """Under ``FXPAR_P2P=issue``: every tensor message the family issued, in order
+        (:meth:`issued`)."""
         self._made: dict[object, int] = {}
         """Sub-communicators made so far, per (kind, members, tag): part of their names."""
 
@@ -165,26 +175,48 @@ class DistComm:
         return self._dev if self._dev is not None and t.device.type == "cuda" else self._cpu
 
     # -- point to point ---------------------------------------------------------------------
+    def _nccl(self, t: torch.Tensor) -> bool:
+        """A CUDA tensor's message goes device to device over NCCL (not staged)."""
+        return t.device.type == "cuda" and self._dev is not None and self._mode != "staged"
+
+    def issued(self) -> list[Issued]:
+        """Under ``FXPAR_P2P=issue``, every tensor message this communicator's family issued,
+        in issue order: (communicator name, this rank and the peer as world ranks, whether it
+        is a send, the element count and dtype). NCCL carries a step only if, for each pair on
+        each communicator, one end's i-th message is a send exactly where the other's is a
+        receive of the same size (fxpar.comm.ordered.issue_problems)."""
+        return list(self._wire)
+
+    def _log(self, peer: int, send: bool, t: torch.Tensor) -> None:
+        if self._mode == "issue":
+            self._wire.append(Issued(self._name, self._ranks[self._rank], self._ranks[peer],
+                                     send, t.numel(), str(t.dtype)))
+
     def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> Any:
         if dst == self._rank:
             return self._self.send(t, tag)
-        host = t.detach().contiguous()
-        if host.device.type != "cpu":
-            host = host.to("cpu")  # the host staging of a device tensor (module doc)
-        return Work(self._cpu.send([host], dst, tag), host,
-                    lambda: self._p2p("send", t, "to", dst, tag))
+        self._log(dst, True, t)
+        what = lambda: self._p2p("send", t, "to", dst, tag)  # noqa: E731
+        src = t.detach().contiguous()
+        if self._nccl(src):
+            return Work(self._dev.send([src], dst, 0), src, what)  # NCCL ignores tags
+        if src.device.type != "cpu":
+            src = src.to("cpu")  # the host staging of a device tensor (module doc)
+        return Work(self._cpu.send([src], dst, p2p_tag(self._mode, tag)), src, what)
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Any:
         if not t.is_contiguous():
             raise ValueError("receive buffer must be contiguous (data would land in a copy)")
         if src == self._rank:
             return self._self.recv(t, tag)
+        self._log(src, False, t)
+        what = lambda: self._p2p("receive", t, "from", src, tag)  # noqa: E731
+        if self._nccl(t):
+            return Work(self._dev.recv([t], src, 0), t, what)
         if t.device.type == "cpu":
-            return Work(self._cpu.recv([t], src, tag), t,
-                        lambda: self._p2p("receive", t, "from", src, tag))
+            return Work(self._cpu.recv([t], src, p2p_tag(self._mode, tag)), t, what)
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-        return Work(self._cpu.recv([host], src, tag), host,
-                    lambda: self._p2p("receive", t, "from", src, tag),
+        return Work(self._cpu.recv([host], src, p2p_tag(self._mode, tag)), host, what,
                     done=lambda: t.copy_(host))
 
     send = blocking_send
@@ -257,6 +289,7 @@ class DistComm:
             sub = DistComm(self._store, list(members).index(self._rank),
                            [self._ranks[m] for m in members], name, self.backend)
         sub._family = self._family  # one list for the whole family
+        sub._wire = self._wire
         self._family.append(sub)
         return sub
 

@@ -7,10 +7,12 @@ with mpi4py; ``init_process_group`` then joins every rank with MPI's rank and si
 
 What goes where:
 
-* tensors on the backend's device (CUDA for NCCL, CPU for gloo): collectives through the process
-  group. Point-to-point too under gloo; under NCCL it stays on MPI (CUDA-aware or staged, see
-  fxpar.comm.mpi), because NCCL ignores tags and runs a pair's sends and receives in issue order on
-  one stream, which deadlocks the runtime's "post every receive first, then send" exchanges.
+* tensors on the backend's device (CUDA for NCCL, CPU for gloo): collectives and
+  point-to-point through the process group. NCCL ignores tags and runs a pair's sends and
+  receives in issue order, so fxpar issues them in an order both ends agree on
+  (fxpar.comm.ordered, fxpar.core.wire); ``FXPAR_P2P=staged`` keeps CUDA point-to-point on MPI
+  instead (CUDA-aware or staged, see fxpar.comm.mpi), and ``FXPAR_P2P=issue`` makes gloo match
+  in issue order too, which tests that order on CPU.
 * everything else (the CPU loss under NCCL, pickled objects, barriers, abort): the matching MPI
   communicator this class extends.
 
@@ -126,6 +128,25 @@ def pg_broadcast(pg: Any, t: torch.Tensor, root: int, what: Callable[[], str]) -
     return t
 
 
+ISSUE_TAG = 0
+"""The one tag of every tensor message under ``FXPAR_P2P=issue`` (gloo matching as NCCL does)."""
+P2P_MODES = ("", "nccl", "staged", "issue")
+
+
+def p2p_mode() -> str:
+    """``FXPAR_P2P``, checked: how point-to-point tensors travel over torch.distributed."""
+    mode = setting("p2p")
+    if mode not in P2P_MODES:
+        raise ValueError(f"FXPAR_P2P={mode!r}: use nccl (the default), staged or issue")
+    return mode
+
+
+def p2p_tag(mode: str, tag: int) -> int:
+    """The tag a tensor message carries on a process group: ``tag``, or under
+    ``FXPAR_P2P=issue`` one tag for all, so gloo matches them in issue order like NCCL."""
+    return ISSUE_TAG if mode == "issue" else tag
+
+
 def _process_group(store: Any, prefix: str, rank: int, size: int, backend: str) -> Any:
     """A process group of ``size`` ranks rendezvousing under ``prefix`` of ``store``."""
     from torch._C._distributed_c10d import PrefixStore
@@ -148,9 +169,11 @@ class TorchComm(Comm):
         self.backend = backend
         self._store = store
         self._native = "cuda" if backend == "nccl" else "cpu"
-        self._pg_p2p = backend != "nccl"
-        """Point-to-point of native tensors goes through the process group (gloo), else MPI.
-        (Not ``_p2p``: that is Comm's description of a message, which the watchdog calls.)"""
+        self._p2p_mode = p2p_mode()
+        self._pg_p2p = self._p2p_mode != "staged" or backend != "nccl"
+        """Point-to-point of native tensors goes through the process group (NCCL: issued in
+        the order both ends agree on, fxpar.comm.ordered), else MPI. (Not ``_p2p``: that is
+        Comm's description of a message, which the watchdog calls.)"""
 
     def _mine(self, t: torch.Tensor) -> bool:
         return t.device.type == self._native
@@ -167,7 +190,7 @@ class TorchComm(Comm):
         if not (self._pg_p2p and dst != self.rank and self._mine(t)):
             return super().isend(t, dst, tag)
         t = t.detach().contiguous()
-        return Work(self._pg.send([t], dst, tag), t,
+        return Work(self._pg.send([t], dst, p2p_tag(self._p2p_mode, tag)), t,
                     lambda: self._p2p("send", t, "to", dst, tag))
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Any:
@@ -175,7 +198,7 @@ class TorchComm(Comm):
             return super().irecv(t, src, tag)
         if not t.is_contiguous():
             raise ValueError("receive buffer must be contiguous (data would land in a copy)")
-        return Work(self._pg.recv([t], src, tag), t,
+        return Work(self._pg.recv([t], src, p2p_tag(self._p2p_mode, tag)), t,
                     lambda: self._p2p("receive", t, "from", src, tag))
 
     send = blocking_send

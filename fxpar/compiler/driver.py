@@ -17,13 +17,13 @@ from torch import fx, nn
 
 from fxpar.comm.protocol import Comm
 from fxpar.compiler.loss import LossFactory
-from fxpar.compiler.lower import check, lower
 from fxpar.compiler.passdriver import HALO, run_passes
 from fxpar.compiler.predict import Prediction, predict_regions
 from fxpar.compiler.stages import build_stages
 from fxpar.compiler.windows import rank_windows
 from fxpar.core import meta
 from fxpar.core.geometry import Grid
+from fxpar.core.lowering import check, lower
 from fxpar.core.messages import check_tags, tag_uses
 from fxpar.core.meta import TensorInfo
 from fxpar.core.options import setting
@@ -246,7 +246,7 @@ def compile(  # noqa: A001 - the public name the design fixes
         names, when set (fxpar.frontend.capture_store), else none.
 
     Before it returns, every rank's messages and collectives of one step are simulated
-    together (fxpar.compiler.lower): a schedule that would deadlock or cross its messages
+    together (fxpar.core.lowering): a schedule that would deadlock or cross its messages
     raises ScheduleError here; tags above MPI's guaranteed bound raise PlanError.
 
     The program's modules share parameters with ``model``: training the program trains it.

@@ -2,7 +2,7 @@
 
 One pure function, :func:`messages`, says what a SEND_F / RECV_F / SEND_B / RECV_B action of a
 rank exchanges: the runtime (fxpar.runtime.loop) posts exactly these, and the compiler
-(fxpar.compiler.lower) simulates every rank's list of them before anything runs, so the two can
+(fxpar.core.lowering) simulates every rank's list of them before anything runs, so the two can
 never disagree on a tag or a shape.
 
 Tags: one per (direction, copy, micro-batch, transfer) of a step, so MPI's matching on

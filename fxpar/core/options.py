@@ -47,6 +47,13 @@ OPTIONS: dict[str, Option] = {
     "torch_timeout": Option(
         "FXPAR_TORCH_TIMEOUT", "600", "seconds",
         "How long torch.distributed waits for a collective before it fails."),
+    "p2p": Option(
+        "FXPAR_P2P", "", "nccl | staged | issue",
+        "How point-to-point messages of GPU tensors travel under torch.distributed "
+        "(torchrun, FXPAR_COMM=torch): unset or nccl: NCCL send/recv, device to device, each "
+        "pair's messages issued in the order both ends agree on (fxpar.core.wire); staged: "
+        "through pinned host buffers over gloo, matched by tag. issue: gloo too ignores tags "
+        "and matches messages in issue order, as NCCL does (tests that order on CPU)."),
     "cuda_aware": Option(
         "FXPAR_CUDA_AWARE", "", "1 | 0",
         "Whether the MPI takes CUDA buffers; unset: asked from the MPI library "

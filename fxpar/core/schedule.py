@@ -24,6 +24,10 @@ KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "ST
 _PATTERN = re.compile(r"^(?:c(\d+)\.)?(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)$")
 
 
+class ScheduleError(RuntimeError):
+    """A schedule that breaks a rule or deadlocks; the message names the actions."""
+
+
 class Action(NamedTuple):
     """One thing a rank does: ``kind`` for micro-batch ``mb`` of ``stage`` of model ``copy``."""
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from fxpar.core import meta
 from fxpar.core.meta import NodeCost
-from fxpar.core.schedule import Action, Links, Schedule, split_keys
+from fxpar.core.schedule import Action, Links, Schedule, ScheduleError, split_keys
 from fxpar.passes.spatial_region import SpatialLayout
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
 
@@ -51,10 +51,6 @@ class Timing:
     stages: dict[int, StageSeconds]
     allreduce: dict[int, tuple[int, ...]]
     """rank -> the ranks whose ALLREDUCE is one collective with its own."""
-
-
-class ScheduleError(RuntimeError):
-    """A schedule that breaks a rule or deadlocks; the message names the actions."""
 
 
 @dataclass(frozen=True)

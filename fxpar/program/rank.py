@@ -19,15 +19,17 @@ from torch import fx, nn
 from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.core.geometry import Rect
+from fxpar.core.lowering import lower
 from fxpar.core.plan import PRECISION_DTYPES, Plan, PlanError
 from fxpar.core.roles import chunks_per_copy, first_chunk
 from fxpar.core.schedule import Action, format_grid
+from fxpar.core.wire import Order, agreed_order
 from fxpar.program.checkpoint_folder import CheckpointError, some_keys
 from fxpar.program.compiled import RunnableProgram, input_window_of
 from fxpar.program.groups import communicators, stage_syncs, tile_groups
 from fxpar.program.tileloss import TileLoss
 from fxpar.runtime.guard import StepGuard
-from fxpar.runtime.loop import Runtime, StepState, Tiling
+from fxpar.runtime.loop import FORWARD, Runtime, StepState, Tiling
 from fxpar.runtime.scale import LossScale
 from fxpar.runtime.spatial.ops import Join, group_key
 
@@ -78,6 +80,7 @@ class RankProgram:
         its fields (``scale``, ``growth_interval``, ...) may be set before training."""
         rank_map, dp = program.rank_map, program.rank_map.dp_index(rank)
         plan = program.plan
+        self._orders: dict[frozenset[str] | None, Order] = {}
         self._comms = communicators(program, rank, comm)
         self.syncs = stage_syncs(program, rank, stages, self._comms)
         self.groups = tile_groups(program, rank, self._comms)
@@ -91,12 +94,24 @@ class RankProgram:
             chunk=lambda copy, mb: first_chunk(plan, dp, copy) + mb,
             sync=self._sync, recompute=program.recompute,
             precision=PRECISION_DTYPES[plan.precision], before_step=self._before_step,
-            segments=plan.recompute_segments, tile_loss=self.tile_loss)
+            segments=plan.recompute_segments, tile_loss=self.tile_loss, wire=self._wire)
         self.guard = StepGuard(rank, comm, self._buffers, self._grads)
         """Failed steps, NaN/inf, injected faults, the watchdog's clock (fxpar.runtime.guard)."""
         dog = watchdog.current()
         if self._failfast and dog is not None:  # its report draws this program's grid
             dog.grid = lambda here: format_grid(program.schedule, here=here)
+
+    def _wire(self, only: frozenset[str] | None) -> Order:
+        """This rank's messages to each peer in the order both issue them, for the schedule
+        (``only``: its actions of those kinds, on every rank alike): fxpar.core.wire."""
+        if only not in self._orders:
+            program = self.program
+            schedule = program.schedule if only is None else \
+                {r: [a for a in acts if a.kind in only] for r, acts in program.schedule.items()}
+            grid = program.spatial.grid if program.spatial is not None else None
+            lowered = lower(schedule, program.graph, program.rank_map, grid)
+            self._orders[only] = agreed_order(lowered).get(self.rank, {})
+        return self._orders[only]
 
     def _make_tile_loss(self) -> TileLoss | None:
         info, plan = self.program.spatial, self.plan
@@ -358,10 +373,8 @@ class RankProgram:
         x = self._on_device(x)
         xs = [None] * n if x is None else list(torch.tensor_split(x, n))
         state = StepState(xs, [None] * n, scale=1.0, train=False)  # type: ignore[arg-type]
-        actions = [a for a in self.program.schedule[self.rank]
-                   if a.kind in ("F", "SEND_F", "RECV_F")]
         with self.groups.bound(), torch.no_grad():
-            self.runtime.run(state, actions)
+            self.runtime.run(state, FORWARD)
         results = dict(state.results)
         info, tiling = self.program.spatial, self.runtime.tiling
         last = self.plan.stages - 1

@@ -39,16 +39,20 @@ from torch import fx
 
 from fxpar.comm import watchdog
 from fxpar.comm.mpi import Comm, Request
+from fxpar.comm.ordered import Sequencer
 from fxpar.core.geometry import Grid, Rect
 from fxpar.core.messages import Message, messages, transfer_kind
 from fxpar.core.schedule import Action, Schedule, format_grid, split_keys
 from fxpar.core.stages import StageGraph, Transfer
+from fxpar.core.wire import Order
 from fxpar.runtime.clock import Clock
 from fxpar.runtime.recompute import Record, buffers, recording, replaying, restore
 from fxpar.runtime.segments import Segmented, segmented
 from fxpar.runtime.splitgrad import WeightWork, backward_inputs
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+FORWARD = frozenset({"F", "SEND_F", "RECV_F"})
+"""The actions of a forward pass alone (inference): ``Runtime.run(state, FORWARD)``."""
 Key = tuple[int, int, int]  # (copy, stage, micro-batch)
 
 
@@ -187,16 +191,24 @@ class Runtime:
     tile_loss: Callable[[int, int, torch.Tensor, Any], torch.Tensor] | None = None
     """(copy, tile, output tile, the chunk's whole targets) -> the loss, whole on every rank of
     the tile group, for a tiled output (the rank program's :class:`LossTiles`)."""
+    wire: Callable[[frozenset[str] | None], Order] | None = None
+    """This rank's point-to-point messages in the order each peer issues them too, for the
+    schedule (or its actions of the given kinds): fxpar.core.wire. None: issued as posted."""
     _waited: float = field(default=0.0, repr=False)
+    _p2p: Sequencer | None = field(default=None, repr=False)
 
-    def run(self, state: StepState, actions: list[Action] | None = None) -> None:
-        """The loop: every action of this rank, in order."""
+    def run(self, state: StepState, only: frozenset[str] | None = None) -> None:
+        """The loop: every action of this rank (of the kinds ``only``, when given), in order.
+        Point-to-point messages go out in the order agreed with each peer
+        (fxpar.comm.ordered.Sequencer), which NCCL needs and MPI does not mind."""
         handlers: dict[str, Callable[[Action, StepState], None]] = {
             "F": self._forward, "B": self._backward, "W": self._weights, "STEP": self._step,
             "SEND_F": self._send_f, "RECV_F": self._recv_f,
             "SEND_B": self._send_b, "RECV_B": self._recv_b, "ALLREDUCE": self._allreduce,
         }
-        todo = self.schedule[self.rank] if actions is None else actions
+        todo = [a for a in self.schedule[self.rank] if only is None or a.kind in only]
+        if self.wire is not None and self.comm is not None:
+            self._p2p = Sequencer(self.comm, self.wire(only))
         early: set[int] = set()
         for i, action in enumerate(todo):
             if i in early:
@@ -216,7 +228,7 @@ class Runtime:
                     marks = (first, self.clock.mark()) if self.clock is not None else None
                     self.timeline.append(ActionTime(action, start, end, self._waited, marks))
             except Exception as e:
-                mark = (self.rank, i) if actions is None else None
+                mark = (self.rank, i) if only is None else None
                 grid = format_grid(self.schedule, mark=mark)
                 print(f"[fxpar rank {self.rank}] action {action} failed: "
                       f"{type(e).__name__}: {e}\n{grid}", file=sys.stderr, flush=True)
@@ -225,6 +237,10 @@ class Runtime:
                                    f"{type(e).__name__}: {e}") from e
         Comm.waitall(state.sends)
         state.sends.clear()
+        left = self._p2p.unissued() if self._p2p is not None else []
+        if left:
+            raise RuntimeError(f"rank {self.rank} ended its step with messages it never "
+                               f"issued: {'; '.join(left[:4])} (a bug in fxpar's schedule)")
 
     def _post_early(self, todo: list[Action], i: int, state: StepState,
                     handlers: dict[str, Callable[[Action, StepState], None]]) -> list[int]:
@@ -253,11 +269,13 @@ class Runtime:
         wait()
         self._waited += time.perf_counter() - start
 
-    def _assert_comm(self) -> Comm:
+    def _assert_comm(self) -> Comm | Sequencer:
+        """What point-to-point messages go through: the step's sequencer, else the
+        communicator."""
         if self.comm is None:
             raise RuntimeError("this rank program has no communicator: use program.local() "
                                "under mpiexec")
-        return self.comm
+        return self._p2p if self._p2p is not None else self.comm
 
     # -- compute ------------------------------------------------------------------------------
     def _forward(self, a: Action, st: StepState) -> None:

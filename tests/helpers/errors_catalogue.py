@@ -834,7 +834,7 @@ CATALOGUE: list[Entry] = [
 INTERNAL = {
     "TooSmall": "raised by receptive.reach on a small image and caught by reach_model, which "
                 "analyses a larger probe (a model whose margins pass 16384 cells gets it)",
-    "ScheduleError": "the schedule checks (perf.simulate, compiler.lower): a bug in fxpar",
+    "ScheduleError": "the schedule checks (perf.simulate, core.lowering): a bug in fxpar",
     "PictureError": "the base class of DotMissing and ExtraMissing (each has its entry)",
     "InjectedFault": "raised only when FXPAR_FAULT asks for it (a rehearsal); users meet it "
                      "wrapped in ActionFailed, whose entry covers it",

@@ -1,4 +1,4 @@
-"""Lowered per-rank schedules (fxpar.compiler.lower) and MPI tag bounds, without MPI: correct
+"""Lowered per-rank schedules (fxpar.core.lowering) and MPI tag bounds, without MPI: correct
 plans pass; hand-broken schedules fail naming the ranks and actions; tags above the bound are
 plan errors at compile time and when a rank program meets its communicator."""
 
@@ -13,8 +13,8 @@ from torch import nn
 
 import fxpar
 from fxpar.compiler.driver import links_of, rank_schedules
-from fxpar.compiler.lower import Op, check, lower
 from fxpar.core.geometry import Grid
+from fxpar.core.lowering import Op, check, lower
 from fxpar.core.messages import MPI_TAG_UB_MIN, check_tags, max_p2p_tag, p2p_tag, tag_uses
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.schedule import Action, Schedule

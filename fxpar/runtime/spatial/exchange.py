@@ -13,6 +13,7 @@ import math
 import torch
 
 from fxpar.comm.mpi import Comm, Request
+from fxpar.comm.ordered import exchange
 from fxpar.core.geometry import Exchange, Rect
 
 Pieces = list[tuple[Rect, torch.Tensor]]
@@ -49,16 +50,16 @@ def swap(like: torch.Tensor, comm: Comm, tag: int, recvs: list[tuple[int, Rect]]
          sends: list[tuple[int, torch.Tensor]]
          ) -> tuple[torch.Tensor, Pieces, list[Request]]:
     """Post a receive of each ``(source, rect)`` and a send of each ``(destination, tensor)`` in
-    the tile group: the one flat buffer the pieces are received into, the pieces (views of it)
-    and the requests to wait for. Forward sends halo cells out and receives the window's
-    pieces; backward the reverse."""
+    the tile group, per peer in the order both ends agree on (fxpar.comm.ordered.exchange):
+    the one flat buffer the pieces are received into, the pieces (views of it) and the
+    requests to wait for. Forward sends halo cells out and receives the window's pieces;
+    backward the reverse."""
     rects = [r for _, r in recvs]
     flat = like.new_empty(piece_numel(like, rects))
     pieces = unflatten(like, flat, rects)
-    reqs: list[Request] = [comm.irecv(buf, src, tag=tag)
-                           for (src, _), (_, buf) in zip(recvs, pieces, strict=True)]
-    reqs += [comm.isend(t.contiguous(), dst, tag=tag) for dst, t in sends]
-    return flat, pieces, reqs
+    reqs = exchange(comm, [(src, buf) for (src, _), (_, buf) in zip(recvs, pieces, strict=True)],
+                    [(dst, t.contiguous()) for dst, t in sends], tag)
+    return flat, pieces, reqs  # type: ignore[return-value]
 
 
 def unflatten(like: torch.Tensor, flat: torch.Tensor, rects: list[Rect]) -> Pieces:

@@ -43,6 +43,7 @@ from torch._higher_order_ops.effects import EffectType
 from torch.utils.flop_counter import conv_backward_flop, conv_flop_count, register_flop_formula
 
 from fxpar.comm.mpi import Comm, Request
+from fxpar.comm.ordered import exchange
 from fxpar.core.geometry import Rect
 from fxpar.core.options import flag
 from fxpar.core.values import loads
@@ -268,17 +269,14 @@ def join(x: Tensor, key: str, spec: str) -> Tensor:
     comm = group(key)
     full = _full(rects, t)
     out = empty(x, (*x.shape[:2], *full.shape))
-    reqs, bufs = [], []
-    for u, rect in enumerate(rects):
-        if u == t:
-            continue
-        buf = x.new_empty((*x.shape[:2], *rect.shape))
-        reqs.append(comm.irecv(buf, u, tag=tag))
-        bufs.append((rect, buf))
-        reqs.append(comm.isend(x.contiguous(), u, tag=tag))
+    bufs = [(u, rect, x.new_empty((*x.shape[:2], *rect.shape)))
+            for u, rect in enumerate(rects) if u != t]
+    mine = x.contiguous()
+    reqs = exchange(comm, [(u, buf) for u, _, buf in bufs], [(u, mine) for u, _, _ in bufs],
+                    tag)
     region(out, full, rects[t]).copy_(x)
     Comm.waitall(reqs)
-    for rect, buf in bufs:
+    for _, rect, buf in bufs:
         region(out, full, rect).copy_(buf)
     return out
 

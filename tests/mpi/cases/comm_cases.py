@@ -165,3 +165,62 @@ def case_one_host_read_per_step() -> None:
         assert len(set(losses)) == 1, losses
         rp.close()
         world().barrier()
+
+
+def _issued_since(start: int) -> tuple[int, list[str]]:
+    """How many tensor messages all ranks issued since ``start`` (this rank's log length
+    then), and where their order breaks what NCCL needs."""
+    from fxpar.comm.ordered import issue_problems
+
+    w = world()
+    everyone = w.allgather_object(w.issued()[start:])
+    return sum(map(len, everyone)), issue_problems(everyone)
+
+
+def case_issue_order_agrees() -> None:
+    """Under ``FXPAR_P2P=issue`` (torchrun, gloo): tags are really ignored, as NCCL ignores
+    them -- two messages received in the other order land swapped -- and every pair of ranks
+    issues its messages in one order on both ends (a send where the other end has the
+    receive, fxpar.comm.ordered.issue_problems), as NCCL needs, for a 1F1B pipeline,
+    interleaved virtual stages, zero-bubble SP2 x PP2, GEMS and SP2 x DP2. The 1F1B
+    pipeline's runtime without the sequencer posts its receives early and fails that check:
+    the check sees the order NCCL would hang on."""
+    from helpers.transparency import sub_comm
+
+    from fxpar.comm.torch_dist import p2p_mode
+
+    w = world()
+    assert p2p_mode() == "issue" and hasattr(w, "issued"), "run under torchrun, FXPAR_P2P=issue"
+    a, b = torch.zeros(2), torch.zeros(2)
+    if w.rank == 0:
+        w.waitall([w.isend(torch.full((2,), 1.0), 1, tag=5), w.isend(torch.full((2,), 2.0), 1,
+                                                                        tag=6)])
+    elif w.rank == 1:
+        w.waitall([w.irecv(b, 0, tag=6), w.irecv(a, 0, tag=5)])
+        assert b.tolist() == [1.0, 1.0] and a.tolist() == [2.0, 2.0], (a, b)  # in issue order
+    plans = (fxpar.Plan(stages=2, microbatches=4, schedule="1f1b"),
+             fxpar.Plan(stages=4, microbatches=2, schedule="interleaved_1f1b",
+                        stages_per_rank=2),
+             fxpar.Plan(stages=2, spatial_parts=2, microbatches=2, schedule="zero_bubble"),
+             fxpar.Plan(stages=2, gems=True, microbatches=2),
+             fxpar.Plan(spatial_parts=2, data_parallel=2))
+    for plan, unordered in [(p, False) for p in plans] + [(plans[0], True)]:
+        torch.manual_seed(0)
+        model = _Tiny().double()
+        x = torch.randn(8, 3, 9, 8, dtype=torch.float64)
+        y = torch.randint(0, 5, (8,))
+        program = fxpar.compile(model, plan, x, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        comm = sub_comm(program.world_size)
+        start = len(w.issued())
+        if comm is not None:
+            rp = program.local(comm)
+            if unordered:
+                rp.runtime.wire = None  # as the runtime posted before the sequencer
+            rp.train_step(x, y)
+            rp.train_step(x, y)
+            rp.forward(x)
+            rp.close()
+        count, problems = _issued_since(start)
+        assert count > 0 and bool(problems) == unordered, f"{plan}: {count}, {problems}"
+        if unordered and w.rank == 0:
+            print("without the sequencer:", problems[0])

@@ -31,9 +31,8 @@ from fxpar.core.geometry import Grid
 from fxpar.core.messages import messages
 from fxpar.core.plan import RankMap
 from fxpar.core.roles import chunks_per_copy, stage_groups
-from fxpar.core.schedule import Action, Schedule, format_grid
+from fxpar.core.schedule import Action, Schedule, ScheduleError, format_grid
 from fxpar.core.stages import StageGraph
-from fxpar.perf.simulate import ScheduleError
 
 
 @dataclass(frozen=True)
@@ -109,11 +108,13 @@ def lower(schedule: Schedule, graph: StageGraph, rank_map: RankMap,
 Channel = tuple[int, int, int]  # (source, destination, tag)
 
 
-def check(lowered: Lowered, schedule: Schedule | None = None) -> int:
+def check(lowered: Lowered, schedule: Schedule | None = None,
+          matches: list[Channel] | None = None) -> int:
     """Run every rank's operations together; raise ScheduleError on a deadlock, a message
     that is never received, a shape mismatch or ranks at different collectives of one
     communicator. ``schedule`` (the action lists) adds the step x rank grid of the ranks
-    involved to the message. Returns the number of messages matched."""
+    involved to the message. Returns the number of messages matched; ``matches``, when
+    given, gets each message's (source, destination, tag) in the order they matched."""
     pc = {r: 0 for r in lowered}
     flight: dict[Channel, deque[Op]] = {}
     matched = 0
@@ -140,6 +141,8 @@ def check(lowered: Lowered, schedule: Schedule | None = None) -> int:
                               f"{r} receives it at {op} as shape {op.shape}",
                               schedule, [(op.peer, sent.step), (r, op.step)])
                     matched += 1
+                    if matches is not None:
+                        matches.append((op.peer, r, op.tag))
                 else:
                     if r not in op.group:
                         _fail(f"rank {r} enters {op} without being one of its ranks",
