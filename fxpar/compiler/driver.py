@@ -23,7 +23,7 @@ from fxpar.compiler.stages import build_stages
 from fxpar.compiler.windows import rank_windows
 from fxpar.core import meta
 from fxpar.core.geometry import Grid
-from fxpar.core.lowering import check, lower
+from fxpar.core.lowering import lower
 from fxpar.core.messages import check_tags, tag_uses
 from fxpar.core.meta import TensorInfo
 from fxpar.core.options import setting
@@ -32,6 +32,7 @@ from fxpar.core.roles import chunks_per_copy, stage_groups
 from fxpar.core.schedule import Links, Schedule, pipeline, place
 from fxpar.core.stages import StageGraph
 from fxpar.core.stages import links_of as links_of  # re-exported: inspect, draw, tools
+from fxpar.core.wire import agreed_order
 from fxpar.frontend.capture import where
 from fxpar.frontend.rules.perpixel import mixes_samples
 from fxpar.frontend.share import CaptureCache, shared_trace
@@ -246,8 +247,9 @@ def compile(  # noqa: A001 - the public name the design fixes
         names, when set (fxpar.frontend.capture_store), else none.
 
     Before it returns, every rank's messages and collectives of one step are simulated
-    together (fxpar.core.lowering): a schedule that would deadlock or cross its messages
-    raises ScheduleError here; tags above MPI's guaranteed bound raise PlanError.
+    together (fxpar.core.lowering, and fxpar.core.wire for the order NCCL issues them in): a
+    schedule that would deadlock or cross its messages raises ScheduleError here; tags above
+    MPI's guaranteed bound raise PlanError.
 
     The program's modules share parameters with ``model``: training the program trains it.
     """
@@ -279,8 +281,9 @@ def compile(  # noqa: A001 - the public name the design fixes
             after_pass(HALO, tile0)
     check_tags(tag_uses(plan, len(graph.transfers), halo_tags))
     schedule = rank_schedules(rank_map, links_of(graph))
-    check(lower(schedule, graph, rank_map, spatial.grid if spatial is not None else None),
-          schedule)  # matching and deadlock, every rank
+    # matching and deadlock, every rank, with MPI's tags and in NCCL's issue order
+    agreed_order(lower(schedule, graph, rank_map, spatial.grid if spatial is not None else None),
+                 schedule)
     program = Program(plan=plan, rank_map=rank_map, graph=graph, schedule=schedule,
                       loss_fn=loss_fn, optimizer=optimizer, batch_size=int(shape[0]),
                       names=tuple(model.state_dict().keys()), traced=gm, spatial=spatial,

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxpar.core.lowering import Channel, Lowered, Op, check
-from fxpar.core.schedule import ScheduleError
+from fxpar.core.schedule import Schedule, ScheduleError
 
 Entry = tuple[bool, int]
 """One message of a pair as one end sees it: (this rank sends it, its tag)."""
@@ -45,12 +45,14 @@ def _pair(a: int, b: int) -> Pair:
     return (a, b) if a < b else (b, a)
 
 
-def sequences(lowered: Lowered) -> dict[Pair, list[Channel]]:
+def sequences(lowered: Lowered, schedule: Schedule | None = None
+              ) -> dict[Pair, list[Channel]]:
     """Each pair's messages, (source, destination, tag), in the order they matched in the
     simulation of every rank's step (messages a rank sends itself are not on the wire and
-    keep their tags)."""
+    keep their tags). Raises ScheduleError where fxpar.core.lowering.check does (``schedule``
+    adds the grid to the message)."""
     matched: list[Channel] = []
-    check(lowered, matches=matched)
+    check(lowered, schedule, matches=matched)
     out: dict[Pair, list[Channel]] = {}
     for ch in matched:
         if ch[0] == ch[1]:
@@ -59,9 +61,10 @@ def sequences(lowered: Lowered) -> dict[Pair, list[Channel]]:
     return out
 
 
-def agreed_order(lowered: Lowered) -> dict[int, Order]:
-    """Every rank's :data:`Order`, checked with :func:`check_order`."""
-    seqs = sequences(lowered)
+def agreed_order(lowered: Lowered, schedule: Schedule | None = None) -> dict[int, Order]:
+    """Every rank's :data:`Order`, checked with fxpar.core.lowering.check (matching and
+    deadlock with MPI's tags) and :func:`check_order` (in NCCL's issue order)."""
+    seqs = sequences(lowered, schedule)
     check_order(lowered, seqs)
     orders: dict[int, Order] = {r: {} for r in lowered}
     for (a, b), seq in seqs.items():
