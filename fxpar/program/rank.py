@@ -140,7 +140,9 @@ class RankProgram:
         Otherwise the guard's NaN/inf check (one allreduce, unless FXPAR_NONFINITE=off)."""
         if self.loss_scale is None:
             return self.guard.finite(st.losses)
-        return self.loss_scale.unscale(self._grads(), self.comm, self.device)
+        go = self.loss_scale.unscale(self._grads(), self.comm, self.device, st.losses)
+        self.guard.total = self.loss_scale.total  # read with the flag: one host read
+        return go
 
     def _merge_stats(self) -> bool:
         return self.plan.copies > 1 or self.plan.data_parallel > 1

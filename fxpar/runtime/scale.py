@@ -33,11 +33,16 @@ class LossScale:
     skipped: int = 0
     """Optimizer steps skipped so far (an inf or NaN gradient on some rank)."""
 
+    total: float | None = None
+    """The sum of the last step's losses over every rank, read with the overflow flag."""
+
     def unscale(self, grads: list[torch.Tensor], comm: Comm | None,
-                device: torch.device) -> bool:
+                device: torch.device, losses: list[torch.Tensor] | None = None) -> bool:
         """Divide ``grads`` (this rank's) by the scale in place; True when the gradients of
         every rank of ``comm`` are finite (the step may go ahead), False when any rank saw an
-        inf or NaN. Updates the scale either way; every rank must call it once per step."""
+        inf or NaN. Updates the scale either way; every rank must call it once per step.
+        The flags and the sum of ``losses`` (this rank's) travel in one allreduce and come
+        back to the host in one read: :attr:`total`."""
         found = torch.zeros(1, dtype=torch.float32, device=device)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
@@ -45,9 +50,14 @@ class LossScale:
         inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
         for group in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+        both = torch.zeros(2, dtype=torch.float64, device=device)
+        both[0] = found[0]  # 0 or 1 per rank: the sum is the ranks that saw an inf
+        both[1] = sum((t.to(device, torch.float64) for t in losses or ()),
+                      torch.zeros((), dtype=torch.float64, device=device))
         if comm is not None and comm.size > 1:
-            comm.allreduce(found, "max")
-        finite = not bool(found.item())
+            comm.allreduce(both)
+        flags, self.total = both.tolist()
+        finite = not flags
         self.update(finite)
         return finite
 

@@ -137,19 +137,21 @@ def case_device_paths() -> None:
 def case_one_host_read_per_step() -> None:
     """Inside a training step, nothing reads a tensor's values back to the host but the loss
     the step returns (fxpar.perf.syncs.HostReads: on a GPU each read stops the host until
-    the queue drains). Spatial with synchronised BatchNorm, a 1F1B pipeline, data parallel
-    and GEMS, each on the ranks it needs; the count is per rank, and the returned loss is
+    the queue drains). Spatial with synchronised BatchNorm, a 1F1B pipeline, data parallel,
+    GEMS and a float16 pipeline with its loss scale, each on the ranks it needs; the count is per rank, and the returned loss is
     the same on every rank of the plan."""
     from helpers.transparency import sub_comm
 
     from fxpar.perf.syncs import HostReads
 
     plans = (fxpar.Plan(spatial_parts=2), fxpar.Plan(stages=2, microbatches=2, schedule="1f1b"),
-             fxpar.Plan(data_parallel=2), fxpar.Plan(stages=2, gems=True, microbatches=2))
+             fxpar.Plan(data_parallel=2), fxpar.Plan(stages=2, gems=True, microbatches=2),
+             fxpar.Plan(stages=2, microbatches=2, precision="fp16"))  # the loss scale's flag
     for plan in plans:
+        dtype = torch.float32 if plan.precision == "fp16" else torch.float64
         torch.manual_seed(0)
-        model = _Tiny().double()
-        x = torch.randn(8, 3, 9, 8, dtype=torch.float64)
+        model = _Tiny().to(dtype)
+        x = torch.randn(8, 3, 9, 8, dtype=dtype)
         y = torch.randint(0, 5, (8,))
         program = fxpar.compile(model, plan, x, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
         comm = sub_comm(program.world_size)
