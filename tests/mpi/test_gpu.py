@@ -50,11 +50,22 @@ def test_forced_pinned_staging_on_cuda():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="NCCL needs one GPU per rank (ranks cannot share a GPU)")
-def test_nccl_backend():
-    n = min(torch.cuda.device_count(), 4)
-    case = f"{CASE_FILES / 'spatial_cases.py'}::case_resnet18_p4_square" if n == 4 else \
-        f"{CASE_FILES / 'pipeline_cases.py'}::case_resnet18_lp2"
-    res = run_cases([case], n=n, timeout=900, pythonpath=PATHS,
-                    env={"FXPAR_TEST_DEVICE": "cuda", "FXPAR_COMM": "torch",
-                         "FXPAR_TORCH_BACKEND": "nccl"})[case]
-    res.check()
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_nccl_backend(launcher):
+    """Collectives, halos and pipeline messages over NCCL, device to device, each pair's
+    messages in the order both ends agree on (fxpar.core.wire): a 1F1B pipeline and a layer
+    pipeline on 2 GPUs; with 4, zero-bubble SP2 x PP2 and SP4 too. Under mpiexec the ranks
+    join torch.distributed through MPI (FXPAR_COMM=torch); under torchrun there is no MPI."""
+    n = 4 if torch.cuda.device_count() >= 4 else 2
+    names = [("pipeline_cases.py", "case_resnet50_pp2_s2"),
+             ("pipeline_cases.py", "case_resnet18_lp2")]
+    if n == 4:
+        names += [("schedule_cases.py", "case_zb_sp2_pp2_resnet18"),
+                  ("spatial_cases.py", "case_resnet18_p4_square")]
+    cases = [f"{CASE_FILES / f}::{c}" for f, c in names]
+    env = {"FXPAR_TEST_DEVICE": "cuda", "FXPAR_TORCH_BACKEND": "nccl"}
+    if launcher == "mpiexec":
+        env["FXPAR_COMM"] = "torch"
+    res = run_cases(cases, n=n, timeout=900, pythonpath=PATHS, env=env, launcher=launcher)
+    for case in cases:
+        res[case].check()
