@@ -9,7 +9,9 @@ from typing import Any
 from torch import fx
 
 from fxpar.comm.mpi import Comm
+from fxpar.core.lowering import lower
 from fxpar.core.roles import chunks_per_copy, first_chunk, stage_groups
+from fxpar.core.wire import Order, agreed_order
 from fxpar.program.compiled import CompiledProgram
 from fxpar.runtime.spatial.group import TileGroups
 from fxpar.runtime.spatial.ops import group_key
@@ -66,3 +68,13 @@ def tile_groups(program: CompiledProgram, rank: int, comms: dict[GroupKey, Comm]
     named = {group_key(r.stage, r.copy): comms[("tiles", r.copy, r.stage, dp)]
              for r in rm.roles_of(rank) if ("tiles", r.copy, r.stage, dp) in comms}
     return TileGroups(named)
+
+
+def rank_order(program: CompiledProgram, rank: int, only: frozenset[str] | None) -> Order:
+    """``rank``'s point-to-point messages to each peer in the order both ends issue them, for
+    the program's schedule (``only``: its actions of those kinds, on every rank alike, as a
+    forward pass runs them): fxpar.core.wire, from every rank's lowered step."""
+    schedule = program.schedule if only is None else \
+        {r: [a for a in acts if a.kind in only] for r, acts in program.schedule.items()}
+    grid = program.spatial.grid if program.spatial is not None else None
+    return agreed_order(lower(schedule, program.graph, program.rank_map, grid)).get(rank, {})

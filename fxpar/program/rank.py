@@ -19,14 +19,13 @@ from torch import fx, nn
 from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.core.geometry import Rect
-from fxpar.core.lowering import lower
 from fxpar.core.plan import PRECISION_DTYPES, Plan, PlanError
 from fxpar.core.roles import chunks_per_copy, first_chunk
 from fxpar.core.schedule import Action, format_grid
-from fxpar.core.wire import Order, agreed_order
+from fxpar.core.wire import Order
 from fxpar.program.checkpoint_folder import CheckpointError, some_keys
 from fxpar.program.compiled import RunnableProgram, input_window_of
-from fxpar.program.groups import communicators, stage_syncs, tile_groups
+from fxpar.program.groups import communicators, rank_order, stage_syncs, tile_groups
 from fxpar.program.tileloss import TileLoss
 from fxpar.runtime.guard import StepGuard
 from fxpar.runtime.loop import FORWARD, Runtime, StepState, Tiling
@@ -102,15 +101,9 @@ class RankProgram:
             dog.grid = lambda here: format_grid(program.schedule, here=here)
 
     def _wire(self, only: frozenset[str] | None) -> Order:
-        """This rank's messages to each peer in the order both issue them, for the schedule
-        (``only``: its actions of those kinds, on every rank alike): fxpar.core.wire."""
+        """This rank's messages to each peer in the order both issue them (fxpar.core.wire)."""
         if only not in self._orders:
-            program = self.program
-            schedule = program.schedule if only is None else \
-                {r: [a for a in acts if a.kind in only] for r, acts in program.schedule.items()}
-            grid = program.spatial.grid if program.spatial is not None else None
-            lowered = lower(schedule, program.graph, program.rank_map, grid)
-            self._orders[only] = agreed_order(lowered).get(self.rank, {})
+            self._orders[only] = rank_order(self.program, self.rank, only)
         return self._orders[only]
 
     def _make_tile_loss(self) -> TileLoss | None:

@@ -9,9 +9,25 @@ once the step's one host read has drained the queue (fxpar.train.metrics reads t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from fxpar.core.schedule import Action
+
+
+@dataclass(frozen=True)
+class ActionTime:
+    """When one action ran (``time.perf_counter`` seconds) and how long of it was spent blocked
+    on communication (``wait``): the runtime's timeline (fxpar.runtime.loop)."""
+
+    action: Action
+    start: float
+    end: float
+    wait: float
+    marks: tuple[Any, Any] | None = None
+    """Marks on the device's queue before and after it (:class:`Clock`; None on CPU)."""
 
 
 class Clock(Protocol):

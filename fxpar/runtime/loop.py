@@ -45,7 +45,7 @@ from fxpar.core.messages import Message, messages, transfer_kind
 from fxpar.core.schedule import Action, Schedule, format_grid, split_keys
 from fxpar.core.stages import StageGraph, Transfer
 from fxpar.core.wire import Order
-from fxpar.runtime.clock import Clock
+from fxpar.runtime.clock import ActionTime, Clock
 from fxpar.runtime.recompute import Record, buffers, recording, replaying, restore
 from fxpar.runtime.segments import Segmented, segmented
 from fxpar.runtime.splitgrad import WeightWork, backward_inputs
@@ -126,19 +126,6 @@ class StepState:
     """Recomputed stages: what their first forward exchanged (fxpar.runtime.recompute)."""
     weights: dict[Key, WeightWork] = field(default_factory=dict)
     """Split backwards: what each W still has to do (fxpar.runtime.splitgrad)."""
-
-
-@dataclass(frozen=True)
-class ActionTime:
-    """When one action ran (``time.perf_counter`` seconds) and how long of it was spent blocked
-    on communication (``wait``)."""
-
-    action: Action
-    start: float
-    end: float
-    wait: float
-    marks: tuple[Any, Any] | None = None
-    """Marks on the device's queue before and after it (fxpar.runtime.clock; None on CPU)."""
 
 
 class ActionFailed(RuntimeError):

@@ -55,8 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxpar.core.units import nbytes
-from fxpar.runtime.clock import Clock, device_clock
-from fxpar.runtime.loop import ActionTime
+from fxpar.runtime.clock import ActionTime, Clock, device_clock
 
 if TYPE_CHECKING:
     from fxpar.program.program import RankProgram

@@ -26,7 +26,7 @@ from fxpar.data.data import (
     epoch_order,
     whole_batch,
 )
-from fxpar.runtime.loop import ActionTime
+from fxpar.runtime.clock import ActionTime
 from fxpar.testing import load_case
 from fxpar.train.metrics import MetricsError, Recorder, gather, load_metrics, split_times, table
 

@@ -138,8 +138,8 @@ def case_one_host_read_per_step() -> None:
     """Inside a training step, nothing reads a tensor's values back to the host but the loss
     the step returns (fxpar.perf.syncs.HostReads: on a GPU each read stops the host until
     the queue drains). Spatial with synchronised BatchNorm, a 1F1B pipeline, data parallel,
-    GEMS and a float16 pipeline with its loss scale, each on the ranks it needs; the count is per rank, and the returned loss is
-    the same on every rank of the plan."""
+    GEMS and a float16 pipeline with its loss scale, each on the ranks it needs; the count
+    is per rank, and the returned loss is the same on every rank of the plan."""
     from helpers.transparency import sub_comm
 
     from fxpar.perf.syncs import HostReads
