@@ -21,7 +21,7 @@ def _sources():
 
 def test_every_fxpar_variable_the_code_names_is_declared():
     declared = {o.env for o in options.OPTIONS.values()}
-    named = {m for p in _sources() for m in re.findall(r"FXPAR_[A-Z_]*[A-Z]", p.read_text())}
+    named = {m for p in _sources() for m in re.findall(r"FXPAR_[A-Z0-9_]*[A-Z0-9]", p.read_text())}
     named -= {"FXPAR_TORCH"}  # the prefix of a message that names both torch options
     assert named and named <= declared, f"undeclared: {sorted(named - declared)}"
 
