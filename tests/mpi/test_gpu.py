@@ -22,6 +22,7 @@ CASES = [f"{CASE_FILES / f}::{n}" for f, n in (
     ("schedule_cases.py", "case_zb_sp2_pp2_resnet18"),
     ("schedule_cases.py", "case_i1f1b_resnet18_4stages_on_2_ranks"),
     ("schedule_cases.py", "case_zbv_all_spatial_sp2_gems"),
+    ("comm_cases.py", "case_device_syncs_per_step"),
 )]
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi,
@@ -58,7 +59,8 @@ def test_nccl_backend(launcher):
     join torch.distributed through MPI (FXPAR_COMM=torch); under torchrun there is no MPI."""
     n = 4 if torch.cuda.device_count() >= 4 else 2
     names = [("pipeline_cases.py", "case_resnet50_pp2_s2"),
-             ("pipeline_cases.py", "case_resnet18_lp2")]
+             ("pipeline_cases.py", "case_resnet18_lp2"),
+             ("comm_cases.py", "case_device_syncs_per_step")]
     if n == 4:
         names += [("schedule_cases.py", "case_zb_sp2_pp2_resnet18"),
                   ("spatial_cases.py", "case_resnet18_p4_square")]

@@ -226,3 +226,48 @@ def case_issue_order_agrees() -> None:
         assert count > 0 and bool(problems) == unordered, f"{plan}: {count}, {problems}"
         if unordered and w.rank == 0:
             print("without the sequencer:", problems[0])
+
+
+def case_device_syncs_per_step() -> None:
+    """On a GPU (FXPAR_TEST_DEVICE=cuda), what ``torch.cuda.set_sync_debug_mode`` sees in one
+    training step: the loss read alone. A one-rank program always; SP2 and a 1F1B pipeline
+    on two ranks when messages travel over NCCL (a staged or MPI route copies through the
+    host, which is a wait by design)."""
+    import warnings
+
+    from helpers.transparency import sub_comm
+
+    from fxpar.comm.device import bind
+
+    w = world()
+    plans = [fxpar.Plan()]
+    if getattr(w, "backend", "") == "nccl":
+        plans += [fxpar.Plan(spatial_parts=2),
+                  fxpar.Plan(stages=2, microbatches=2, schedule="1f1b")]
+    for plan in plans:
+        torch.manual_seed(0)
+        model = _Tiny().double()
+        x = torch.randn(8, 3, 9, 8, dtype=torch.float64)
+        y = torch.randint(0, 5, (8,))
+        program = fxpar.compile(model, plan, x, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        comm = sub_comm(program.world_size)
+        if comm is None:
+            w.barrier()
+            continue
+        dev = bind(None, "cuda")
+        rp = program.local(comm)
+        rp.to(dev)
+        x, y = x.to(dev), y.to(dev)
+        rp.train_step(x, y)  # warm-up
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                rp.train_step(x, y)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(s.message) for s in seen if "synchroniz" in str(s.message)]
+        assert len(syncs) == 1, f"{plan}: {len(syncs)} device syncs in a step: {syncs[:4]}"
+        rp.close()
+        w.barrier()
