@@ -79,3 +79,50 @@ def test_padding_tiles_equal_one_device(mode, pad):
             got = TileInterp(maps, (rows, cols), (nh[0], nw[0]))(x[:, :, nh[0]:nh[1],
                                                                   nw[0]:nw[1]])
             assert torch.equal(got, y[:, :, rows[0]:rows[1], cols[0]:cols[1]])
+
+
+FAST = [("bilinear", {"scale_factor": 2}), ("nearest", {"scale_factor": 2}),
+        ("bilinear", {"size": (20, 28)}), ("nearest", {"scale_factor": 4}),
+        ("bilinear", {"scale_factor": 8})]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("mode", "kw"), FAST)
+def test_power_of_two_upsampling_runs_torchs_kernel_on_the_window(mode, kw, dtype):
+    """Nearest and bilinear (align_corners=False) by 2, 4, 8, from a scale factor or a size:
+    PyTorch's kernel on the window, cut to the tile, gives one device's rows bit for bit, on
+    every tile of uneven grids; channels-last and 1-D and 3-D inputs too."""
+    corners = False if mode == "bilinear" else None
+    for shape in ((2, 3, 5, 7), (1, 2, 5, 7, 3), (2, 3, 9)):
+        if "size" in kw and len(shape) != 4:
+            continue
+        nd = len(shape) - 2
+        mode_nd = ("linear", "bilinear", "trilinear")[nd - 1] if mode == "bilinear" else mode
+        x = torch.randn(*shape, dtype=dtype)
+        if nd == 2:
+            x = x.contiguous(memory_format=torch.channels_last)
+        y = F.interpolate(x, mode=mode_nd, align_corners=corners, **kw)
+        sf = kw.get("scale_factor")
+        maps = tuple(AxisMap(mode, False, x.shape[d], y.shape[d], None if sf is None
+                             else float(sf)) for d in range(2, 2 + nd))
+        for parts in itertools.product((1, 2, 3), repeat=nd):
+            for at in itertools.product(*(range(p) for p in parts)):
+                out = tuple(tile(y.shape[2 + d], parts[d], at[d]) for d in range(nd))
+                if any(a == b for a, b in out):
+                    continue
+                need = [m.needs(iv) for m, iv in zip(maps, out, strict=True)]
+                window = x[(slice(None), slice(None), *(slice(a, b) for a, b in need))]
+                t = TileInterp(maps, out, tuple(a for a, _ in need))
+                assert t.factors is not None
+                got = t(window)
+                want = y[(slice(None), slice(None), *(slice(a, b) for a, b in out))]
+                assert torch.equal(got, want), (shape, parts, at)
+
+
+def test_other_maps_keep_the_gather():
+    """Scales other than a power of two, align_corners and padding are index maps."""
+    assert AxisMap("bilinear", False, 5, 15, 3.0).factor() is None
+    assert AxisMap("bilinear", True, 5, 10, 2.0).factor() is None
+    assert AxisMap("bilinear", False, 6, 9, 1.5).factor() is None
+    assert AxisMap("reflect", False, 5, 7, None, 1).factor() is None
+    assert AxisMap("nearest", False, 5, 10, None).factor() == 2

@@ -19,6 +19,14 @@ A tile's output rows need the input rows from ``i0(first)`` to ``i1(last)``: tha
 what the halo exchange brings (never past the image: every index is inside it); the tile then
 gathers its rows from the window with global indices, so every tile computes exactly what one
 device computes for those rows.
+
+The common case -- nearest or bilinear (align_corners=False) by a power-of-two factor s, the
+decoder upsampling of a U-Net -- runs PyTorch's own kernel on the window instead
+(:meth:`AxisMap.factor`): window row ``w`` is image row ``start + w``, so the window's output
+row ``o`` is the image's row ``s * start + o``, computed with the same scale (1/s, exact in
+binary) and the same weights; rows the window's own border clamps lie outside the tile's and
+are cut off. One kernel forward and one backward instead of a gather, blend and index_add per
+dim (tools/bench_spatial.py --interp).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fxpar.core.geometry import Interval
@@ -88,6 +97,19 @@ class AxisMap:
         lam = (src - i0.to(opmath)).clamp(0, 1)
         return i0, i1, lam.to(dtype)
 
+    def factor(self) -> int | None:
+        """s when this map is PyTorch's kernel run on any window (see the module doc):
+        nearest, or bilinear without align_corners, by s = 2^k with the scale 1/s exact in
+        both precisions the kernels compute in; else None."""
+        if self.mode not in ("nearest", "bilinear") or self.align_corners \
+                or self.size_out % self.size_in:
+            return None
+        s = self.size_out // self.size_in
+        if s & (s - 1) or any(float(self._scale(dt)) != 1.0 / s
+                              for dt in (torch.float32, torch.float64)):
+            return None
+        return s
+
     def needs(self, rows: Interval) -> Interval:
         """Input rows that output rows ``rows`` read."""
         if rows[1] <= rows[0]:
@@ -111,6 +133,11 @@ class TileInterp(nn.Module):
         self.maps = tuple(maps)
         self.out = tuple(tuple(iv) for iv in out)
         self.start = tuple(start)
+        factors = tuple(m.factor() for m in self.maps)
+        same = len({m.mode for m in self.maps}) == 1
+        self.factors = factors if same and None not in factors else None
+        """Per dim s: PyTorch's kernel on the window, cut to the tile (module doc); None:
+        the gather."""
 
     def emit_args(self) -> dict[str, Any]:
         return {"maps": self.maps, "out": self.out, "start": self.start}
@@ -127,7 +154,25 @@ class TileInterp(nn.Module):
         lam = lam.to(x.device).reshape(shape)
         return a * (1 - lam) + b * lam
 
+    def _kernel(self, x: torch.Tensor, factors: tuple[int, ...]) -> torch.Tensor | None:
+        """PyTorch's interpolation of the whole window, cut to this tile's rows (None when the
+        window does not reach them, and the gather runs instead)."""
+        cut = []
+        for (a, b), start, s, n in zip(self.out, self.start, factors, x.shape[2:], strict=True):
+            if a < s * start or b > s * (start + n):
+                return None
+            cut.append(slice(a - s * start, b - s * start))
+        linear = self.maps[0].mode == "bilinear"
+        mode = ("linear", "bilinear", "trilinear")[x.dim() - 3] if linear else "nearest"
+        y = F.interpolate(x, scale_factor=[float(s) for s in factors], mode=mode,
+                          align_corners=False if linear else None)
+        return y[(slice(None), slice(None), *cut)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.factors is not None:
+            y = self._kernel(x, self.factors)
+            if y is not None:
+                return y
         for i, (m, out, start) in enumerate(zip(self.maps, self.out, self.start, strict=True)):
             x = self._gather(x, 2 + i, m, out, start)
         return x
