@@ -27,6 +27,7 @@ import torch
 
 from fxpar.cli.args import grid_arg, user_error
 from fxpar.comm import failfast
+from fxpar.comm.device import bind
 from fxpar.comm.mpi import Comm
 from fxpar.compiler.driver import predict
 from fxpar.compiler.predict import OUTPUTS
@@ -69,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--output", choices=OUTPUTS, default="argmax",
                    help="class indices (default), probabilities, or raw logits")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where each rank computes: cuda binds rank r of a node to GPU r %% GPUs "
+                   "(fxpar.comm.device); auto: cuda when available (default)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output "
                    "instead of resuming it")
     p.add_argument("--no-progress", action="store_true")
@@ -177,6 +181,7 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
         if world is not None and world.size > 1:
             failfast.agree(world, None)
         dtype = getattr(torch, a.dtype)
+        where = bind(world if a.device != "cpu" else None, a.device)
         say = (lambda s: print(s, flush=True)) if rank == 0 else None
         if say is not None:
             shape = "x".join(map(str, image.shape))
@@ -185,7 +190,7 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
         result = predict(model, plan, image, a.out, region=a.region, batch=a.batch,
                          output=a.output, dtype=dtype, comm=world, overwrite=a.overwrite,
                          progress=not a.no_progress, settings=settings, geo=_geo(image),
-                         log=lambda s: print(s, flush=True))
+                         log=lambda s: print(s, flush=True), device=where)
     except (*USER_ERRORS, failfast.Disagreement) as e:
         # every error that reaches here is the same on every rank (set-up errors are agreed
         # on; predict's own checks run before its first message), so none ends the job hard

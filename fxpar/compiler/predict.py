@@ -173,7 +173,8 @@ def predict_regions(model: nn.Module, plan: Plan, image: Image | np.ndarray | to
             batch: int = 1, output: str = "logits", dtype: torch.dtype = torch.float32,
             comm: Comm | None = None, overwrite: bool = False, progress: bool = True,
             settings: dict[str, Any] | None = None, geo: dict[str, Any] | None = None,
-            log: Callable[[str], None] | None = None) -> Prediction:
+            log: Callable[[str], None] | None = None,
+            device: torch.device | str = "cpu") -> Prediction:
     """Run ``model`` (eval mode, its current weights) over the whole ``image`` (C, *spatial),
     region by region, each region on all ranks of ``plan``; collective over ``comm`` (default:
     the MPI world when the plan has several ranks).
@@ -184,7 +185,8 @@ def predict_regions(model: nn.Module, plan: Plan, image: Image | np.ndarray | to
     logits. settings: extra values a resumed run must match (the CLI passes the model and
     weights). compile_crop: ``fxpar.compile`` of ``model`` and ``plan`` for an example
     (``fxpar.predict`` passes it). Raises ReachError / DataError / PlanError before any
-    communication."""
+    communication. device: where each rank computes (its batches go there, the outputs it
+    writes come back to the host)."""
     if output not in OUTPUTS:
         raise ValueError(f"output {output!r}: choose one of {', '.join(OUTPUTS)}")
     if batch < 1:
@@ -196,7 +198,7 @@ def predict_regions(model: nn.Module, plan: Plan, image: Image | np.ndarray | to
     model.eval()
     try:
         return _predict(model, plan, src, out, compile_crop, region, batch, output, dtype, comm,
-                        overwrite, progress, settings, geo, log)
+                        overwrite, progress, settings, geo, log, torch.device(device))
     finally:
         model.train(training)
 
@@ -205,7 +207,7 @@ def _predict(model: nn.Module, plan: Plan, src: Image, out: str | Path | None,
              compile_crop: Callable[[torch.Tensor], Program], region: int | tuple[int, ...],
              batch: int, output: str, dtype: torch.dtype, comm: Comm | None, overwrite: bool,
              progress: bool, settings: dict[str, Any] | None, geo: dict[str, Any] | None,
-             log: Callable[[str], None] | None) -> Prediction:
+             log: Callable[[str], None] | None, device: torch.device) -> Prediction:
     channels, *size = src.shape
     whole = trace(model, (1, channels, *size))
     out_size = output_extent(whole)
@@ -268,6 +270,7 @@ def _predict(model: nn.Module, plan: Plan, src: Image, out: str | Path | None,
         if not mine:
             continue
         rp = program.local(world) if world is not None else program.for_rank(0)
+        rp.to(device)
         rp.eval()
         window = rp.input_window()
         try:
@@ -280,9 +283,10 @@ def _predict(model: nn.Module, plan: Plan, src: Image, out: str | Path | None,
                         read = src.read(window.moved(tuple(-a for a, _ in g.crop.dims)))
                         x[(j, slice(None), *(slice(a, b) for a, b in window.dims))] = \
                             to_tensor(read, dtype)
-                y = rp.forward(x)
+                y = rp.forward(x.to(device) if x is not None else None)
                 if rank != writer:
                     continue
+                y = y.cpu()
                 for j, g in enumerate(group):
                     part = y[(j, slice(None), *(slice(a, b) for a, b in g.keep.dims))]
                     vals = transform(part, output)

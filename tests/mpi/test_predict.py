@@ -279,6 +279,9 @@ def test_cli_errors_say_what_to_change(tmp_path, capsys):
     assert "multiple" in capsys.readouterr().err
     assert fxpar_predict([model, str(tmp_path / "none.tif"), str(tmp_path / "o.zarr")]) == 2
     assert "no such file" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert fxpar_predict([model, img, str(tmp_path / "o.zarr"), "--device", "cuda"]) == 2
+        assert "use --device cpu or auto" in capsys.readouterr().err
 
 
 def test_cli_one_process_writes_the_exact_map(tmp_path, capsys):
@@ -288,7 +291,8 @@ def test_cli_one_process_writes_the_exact_map(tmp_path, capsys):
     np.save(tmp_path / "img.npy", x.numpy())
     model = f"{CASES[0].split('::')[0]}:small_unet"
     assert fxpar_predict([model, str(tmp_path / "img.npy"), str(tmp_path / "o.zarr"),
-                          "--region", "16", "--output", "logits", "--dtype", "float64"]) == 0
+                          "--region", "16", "--output", "logits", "--dtype", "float64",
+                          "--device", "cpu"]) == 0
     printed = capsys.readouterr()
     assert "regions 16x16: 12 in a 3x4 grid" in printed.out
     assert "predict [####################] 12/12 regions 100%" in printed.err
