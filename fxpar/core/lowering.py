@@ -74,6 +74,7 @@ def lower(schedule: Schedule, graph: StageGraph, rank_map: RankMap,
     spatial_stages = plan.spatial_stages if plan.spatial else 0
     mbs = chunks_per_copy(plan)
     held = stage_groups(rank_map)
+    groups: dict[tuple[int, int, int], tuple[int, ...]] = {}  # each made once, then shared
     out: Lowered = {}
     for r, acts in schedule.items():
         dp = rank_map.dp_index(r)
@@ -95,8 +96,11 @@ def lower(schedule: Schedule, graph: StageGraph, rank_map: RankMap,
                     peer = rank_map.rank_of(dp, a.copy, m.stage, m.tile)
                     ops.append(Op(kind, i, a, peer, m.tag, m.shape))
             elif a.kind in ("F", "B") and plan.group_size(a.stage) > 1:
+                key = (dp, a.copy, a.stage)
+                if key not in groups:
+                    groups[key] = rank_map.group(*key)
                 ops.append(Op("coll", i, a, comm=f"tiles c{a.copy}s{a.stage} dp{dp}",
-                              group=rank_map.group(dp, a.copy, a.stage)))
+                              group=groups[key]))
             elif a.kind == "ALLREDUCE":
                 for s in sorted({role.stage for role in roles}):
                     if len(held[s]) > 1:
@@ -106,6 +110,38 @@ def lower(schedule: Schedule, graph: StageGraph, rank_map: RankMap,
 
 
 Channel = tuple[int, int, int]  # (source, destination, tag)
+
+
+class Clash(Exception):
+    """A rank reached another collective of a communicator than the one its other members
+    are entering."""
+
+    def __init__(self, rank: int, op: Op) -> None:
+        super().__init__(rank, op)
+        self.rank = rank
+        self.op = op
+
+
+class Meetings:
+    """The collective each communicator's members are entering (one at a time: they leave it
+    together) and who has reached it, so a rank arriving costs O(1), not a look at every
+    member (plans of thousands of ranks)."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, tuple[Op, int, set[int]]] = {}
+
+    def arrive(self, r: int, op: Op) -> bool:
+        """Rank ``r`` reaches collective ``op`` (again, while it waits: counted once). True
+        when every member has: the meeting is over and they all go on. Raises
+        :class:`Clash` with a member waiting at another collective of ``op.comm``."""
+        first_op, first, present = self._at.setdefault(op.comm, (op, r, set()))
+        if first_op.action != op.action:
+            raise Clash(first, first_op)
+        present.add(r)
+        if len(present) < len(op.group):
+            return False
+        del self._at[op.comm]
+        return True
 
 
 def check(lowered: Lowered, schedule: Schedule | None = None,
@@ -118,6 +154,7 @@ def check(lowered: Lowered, schedule: Schedule | None = None,
     pc = {r: 0 for r in lowered}
     flight: dict[Channel, deque[Op]] = {}
     matched = 0
+    meetings = Meetings()
 
     def head(r: int) -> Op | None:
         ops = lowered.get(r, [])
@@ -147,16 +184,14 @@ def check(lowered: Lowered, schedule: Schedule | None = None,
                     if r not in op.group:
                         _fail(f"rank {r} enters {op} without being one of its ranks",
                               schedule, [(r, op.step)])
-                    heads = {m: head(m) for m in op.group}
-                    for m, h in heads.items():
-                        if h is not None and h.kind == "coll" and h.comm == op.comm and \
-                                h.action != op.action:
-                            _fail(f"ranks of one communicator are at different collectives: "
-                                  f"rank {r} at {op}, rank {m} at {h}",
-                                  schedule, [(r, op.step), (m, h.step)])
-                    if any(h is None or h.kind != "coll" or h.comm != op.comm
-                           for h in heads.values()):
-                        break
+                    try:
+                        if not meetings.arrive(r, op):
+                            break
+                    except Clash as c:
+                        (a, x), (b, y) = sorted([(r, op), (c.rank, c.op)], key=lambda e: e[0])
+                        _fail(f"ranks of one communicator are at different collectives: "
+                              f"rank {a} at {x}, rank {b} at {y}",
+                              schedule, [(a, x.step), (b, y.step)])
                     for m in op.group:
                         pc[m] += 1
                     progress = True

@@ -352,10 +352,15 @@ class RankMap:
     """(pipeline rank, tile) of each rank of one layout, in rank order of copy 0 (the
     pipeline rank is the stage, unless ranks hold several: ``Plan.position``)."""
 
+    _index: dict[tuple[int, int], int] = field(init=False, repr=False, compare=False)
+    """(pipeline rank, tile) -> its place in :attr:`roles` (rank_of runs for every message
+    of every rank when a program is lowered: a search of the tuple made that quadratic)."""
+
     def __post_init__(self) -> None:
         p = self.plan
         flat = tuple((s, t) for s in range(p.pipeline_ranks) for t in range(p.group_size(s)))
         object.__setattr__(self, "roles", flat)
+        object.__setattr__(self, "_index", {role: j for j, role in enumerate(flat)})
 
     @property
     def layout_size(self) -> int:
@@ -364,7 +369,7 @@ class RankMap:
 
     def rank_of(self, dp: int, copy: int, stage: int, tile: int = 0) -> int:
         """The rank that runs ``tile`` of ``stage`` of model ``copy`` in replica ``dp``."""
-        j = self.roles.index((self.plan.position(stage), tile))
+        j = self._index[(self.plan.position(stage), tile)]
         n = self.layout_size
         return dp * n + (j if copy == 0 else n - 1 - j)
 

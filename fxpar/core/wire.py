@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxpar.core.lowering import Channel, Lowered, Op, check
+from fxpar.core.lowering import Channel, Lowered, Meetings, Op, check
 from fxpar.core.schedule import Schedule, ScheduleError
 
 Entry = tuple[bool, int]
@@ -107,6 +107,7 @@ def check_order(lowered: Lowered, seqs: dict[Pair, list[Channel]]) -> None:
     rank; a receive blocks where its RECV action stands (the runtime waits later, so what
     passes here also runs); collectives block until every member reaches them."""
     pairs = _Pairs(seqs)
+    meetings = Meetings()
     pc = dict.fromkeys(lowered, 0)
     waiting: dict[int, tuple[Pair, int]] = {}
     progress = True
@@ -130,9 +131,7 @@ def check_order(lowered: Lowered, seqs: dict[Pair, list[Channel]]) -> None:
                     pc[r] += 1
                     progress = True
                     continue
-                heads = [lowered[m][pc[m]] if pc[m] < len(lowered[m]) else None
-                         for m in op.group]
-                if any(h is None or h.kind != "coll" or h.comm != op.comm for h in heads):
+                if not meetings.arrive(r, op):  # no Clash: check() ran first
                     break
                 for m in op.group:
                     pc[m] += 1
