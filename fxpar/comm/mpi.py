@@ -186,9 +186,13 @@ class Comm:
                   tag: int) -> torch.Tensor:
         sbuf, sdone = self._route.out(send)
         rbuf, rdone = self._route.into(recv)
-        args = {"dest": dst, "sendtag": tag, "recvbuf": rbuf, "source": src, "recvtag": tag}
-        self._wait(lambda: self._c.Sendrecv(sbuf, **args),
-                   lambda: self._c.Isendrecv(sbuf, **args))
+        if self._route.poll is None:
+            self._c.Sendrecv(sbuf, dest=dst, sendtag=tag, recvbuf=rbuf, source=src, recvtag=tag)
+        else:  # no Isendrecv (MPI 4; Open MPI 4 lacks it): a receive and a send, polled
+            reqs = [self._c.Irecv(rbuf, source=src, tag=tag), self._c.Isend(sbuf, dest=dst,
+                                                                            tag=tag)]
+            for req in reqs:
+                _complete(req, self._route.poll)
         sdone()
         rdone()
         return recv
@@ -205,8 +209,9 @@ class Comm:
             return self._allreduce(t, op)
 
     def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        if t.dtype in BITCAST or t.dtype == torch.float16:
-            # MPI has no bfloat16 / float16 sum: reduce in float32, round once
+        if t.dtype in BITCAST:
+            # no MPI sum of bfloat16 / float16 (Open MPI: no float16 type): reduce in
+            # float32, round once
             wide = t.float()
             self._allreduce(wide, op)
             return t.copy_(wide)
@@ -219,9 +224,17 @@ class Comm:
         return t
 
     def iallreduce(self, t: torch.Tensor) -> Request:
-        """Start an in-place sum allreduce of ``t``."""
+        """Start an in-place sum allreduce of ``t`` (bfloat16 / float16: of a float32 copy,
+        rounded into ``t`` once it completes, as :meth:`allreduce` does)."""
         mpi = _mpi()
-        buf, done = self._route.inout(t)
+        wide = t.float() if t.dtype in BITCAST else t
+        buf, land = self._route.inout(wide)
+
+        def done() -> None:
+            land()
+            if wide is not t:
+                t.copy_(wide)
+
         return self._request(self._c.Iallreduce(mpi.IN_PLACE, buf, op=mpi.SUM), buf, done,
                              lambda: self._coll("allreduce (sum)", t))
 

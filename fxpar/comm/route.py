@@ -14,10 +14,11 @@ import torch
 from fxpar.comm.device import cuda_aware_mpi
 from fxpar.core.options import flag, setting
 
-# dtypes NumPy has no type for travel as same-width integers (bit patterns are preserved); they
-# can be sent and received but not reduced.
-BITCAST = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8,
-            torch.float8_e5m2: torch.int8}
+# dtypes NumPy or the MPI has no type for travel as same-width integers (bit patterns are
+# preserved); they can be sent and received but not reduced. float16: NumPy has it, but Open
+# MPI 4 has no MPI type for it ("MPI_ERR_TYPE: invalid datatype"; MPICH has one).
+BITCAST = {torch.bfloat16: torch.int16, torch.float16: torch.int16,
+           torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8}
 
 
 def _prepared(t: torch.Tensor, *, writable: bool) -> torch.Tensor:

@@ -61,6 +61,15 @@ def case_collectives() -> None:
     req.wait()
     assert torch.equal(t2, torch.full((4,), float(n)))
     assert c.allgather_object({"r": c.rank}) == [{"r": r} for r in range(n)]
+    for dt in (torch.float16, torch.bfloat16):  # summed in float32; sent as their bits
+        h = torch.full((3,), 1.5, dtype=dt)
+        c.iallreduce(h).wait()
+        assert torch.equal(h, torch.full((3,), 1.5 * n, dtype=dt)), (dt, h)
+        q = c.allreduce(torch.full((2,), 0.25, dtype=dt))
+        assert torch.equal(q, torch.full((2,), 0.25 * n, dtype=dt)), (dt, q)
+        nxt, prv = (c.rank + 1) % n, (c.rank - 1) % n
+        got = c.sendrecv(torch.arange(4, dtype=dt) + c.rank, nxt, torch.empty(4, dtype=dt), prv)
+        assert torch.equal(got, torch.arange(4, dtype=dt) + prv), (dt, got)
 
 
 def case_subcommunicators() -> None:
