@@ -834,7 +834,10 @@ CATALOGUE: list[Entry] = [
 INTERNAL = {
     "TooSmall": "raised by receptive.reach on a small image and caught by reach_model, which "
                 "analyses a larger probe (a model whose margins pass 16384 cells gets it)",
-    "ScheduleError": "the schedule checks (perf.simulate, core.lowering): a bug in fxpar",
+    "ScheduleError": "the schedule checks (perf.simulate, core.lowering, core.wire): a bug in "
+                     "fxpar",
+    "Clash": "two collectives of one communicator met in fxpar.core.lowering.check: caught "
+             "there and raised as a ScheduleError naming both ranks",
     "PictureError": "the base class of DotMissing and ExtraMissing (each has its entry)",
     "InjectedFault": "raised only when FXPAR_FAULT asks for it (a rehearsal); users meet it "
                      "wrapped in ActionFailed, whose entry covers it",
