@@ -131,9 +131,10 @@ def case_a_spatial_stage_is_an_aten_graph_that_exports_saves_loads_and_compiles(
     each rank's spatial stage exports with torch.export without communicating (fake kernels),
     holds only ATen and fxpar ops, survives torch.export.save / load, and compiles with
     torch.compile(fullgraph=True) through AOTAutograd (forward and backward graphs). The loaded
-    and the compiled stage then run their messages for real under mpiexec and give bit for bit
-    the output, the input and parameter gradients and the BatchNorm buffers of the stage
-    module fxpar built."""
+    and the compiled stage then run their messages for real under mpiexec and give the output,
+    the input and parameter gradients and the BatchNorm buffers of the stage module fxpar
+    built: bit for bit when loaded, to float64 rounding when compiled (AOTAutograd's
+    decomposition of the tile's upsampling kernel rounds differently)."""
     import operator
 
     comm = sub_comm(2)
@@ -172,6 +173,11 @@ def case_a_spatial_stage_is_an_aten_graph_that_exports_saves_loads_and_compiles(
             got = _run_stage(module, x, g)
             assert set(got) == set(want), (name, set(got) ^ set(want))
             for k, v in want.items():
-                assert torch.equal(got[k], v), f"{name} stage: {k} differs by " \
-                    f"{(got[k] - v).abs().max().item():.3g}"
+                if name == "loaded":
+                    assert torch.equal(got[k], v), f"{name} stage: {k} differs by " \
+                        f"{(got[k] - v).abs().max().item():.3g}"
+                else:  # AOTAutograd decomposes upsample_bilinear2d (the tile's kernel) into
+                    # pointwise ops that round differently: 4.4e-16 seen here
+                    torch.testing.assert_close(got[k], v, rtol=1e-13, atol=1e-13,
+                                               msg=lambda m, k=k: f"compiled stage: {k}: {m}")
     rp.close()
