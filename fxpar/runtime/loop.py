@@ -15,6 +15,9 @@ Communication: every receive is posted (``irecv``) by its RECV action -- or earl
 receives that follow a compute action in the list are posted before it runs, so their data
 can land during it -- and waited for by the compute action that needs it; every send is an
 ``isend`` whose request is completed at the end of the step, so no rank ever blocks in a send.
+Both go out through a :class:`fxpar.comm.ordered.Sequencer`, in the order agreed with each
+peer (fxpar.core.wire): a receive posted early waits in it until the messages before it are
+issued, as NCCL, which ignores tags, needs.
 
 Timing (for ``fxpar-run --metrics``): set ``Runtime.timeline`` to a list and each action appends
 an :class:`ActionTime` (perf_counter start/end, and the seconds it sat blocked in request waits,
