@@ -143,14 +143,25 @@ def case_device_paths() -> None:
                 del os.environ[k]
 
 
+def _tiny(plan: fxpar.Plan, dtype: torch.dtype = torch.float64) -> tuple:
+    """:class:`_Tiny` compiled for ``plan`` (seeded alike on every rank), a batch for it, and
+    the communicator of the plan's ranks (None on the others, which sit it out)."""
+    from helpers.transparency import sub_comm
+
+    torch.manual_seed(0)
+    model = _Tiny().to(dtype)
+    x = torch.randn(8, 3, 9, 8, dtype=dtype)
+    y = torch.randint(0, 5, (8,))
+    program = fxpar.compile(model, plan, x, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    return program, x, y, sub_comm(program.world_size)
+
+
 def case_one_host_read_per_step() -> None:
     """Inside a training step, nothing reads a tensor's values back to the host but the loss
     the step returns (fxpar.perf.syncs.HostReads: on a GPU each read stops the host until
     the queue drains). Spatial with synchronised BatchNorm, a 1F1B pipeline, data parallel,
     GEMS and a float16 pipeline with its loss scale, each on the ranks it needs; the count
     is per rank, and the returned loss is the same on every rank of the plan."""
-    from helpers.transparency import sub_comm
-
     from fxpar.perf.syncs import HostReads
 
     plans = (fxpar.Plan(spatial_parts=2), fxpar.Plan(stages=2, microbatches=2, schedule="1f1b"),
@@ -158,12 +169,7 @@ def case_one_host_read_per_step() -> None:
              fxpar.Plan(stages=2, microbatches=2, precision="fp16"))  # the loss scale's flag
     for plan in plans:
         dtype = torch.float32 if plan.precision == "fp16" else torch.float64
-        torch.manual_seed(0)
-        model = _Tiny().to(dtype)
-        x = torch.randn(8, 3, 9, 8, dtype=dtype)
-        y = torch.randint(0, 5, (8,))
-        program = fxpar.compile(model, plan, x, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-        comm = sub_comm(program.world_size)
+        program, x, y, comm = _tiny(plan, dtype)
         if comm is None:
             world().barrier()  # wait for the plan's ranks
             continue
@@ -196,8 +202,6 @@ def case_issue_order_agrees() -> None:
     interleaved virtual stages, zero-bubble SP2 x PP2, GEMS and SP2 x DP2. The 1F1B
     pipeline's runtime without the sequencer posts its receives early and fails that check:
     the check sees the order NCCL would hang on."""
-    from helpers.transparency import sub_comm
-
     from fxpar.comm.torch_dist import p2p_mode
 
     w = world()
@@ -216,12 +220,7 @@ def case_issue_order_agrees() -> None:
              fxpar.Plan(stages=2, gems=True, microbatches=2),
              fxpar.Plan(spatial_parts=2, data_parallel=2))
     for plan, unordered in [(p, False) for p in plans] + [(plans[0], True)]:
-        torch.manual_seed(0)
-        model = _Tiny().double()
-        x = torch.randn(8, 3, 9, 8, dtype=torch.float64)
-        y = torch.randint(0, 5, (8,))
-        program = fxpar.compile(model, plan, x, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-        comm = sub_comm(program.world_size)
+        program, x, y, comm = _tiny(plan)
         start = len(w.issued())
         if comm is not None:
             rp = program.local(comm)
@@ -244,8 +243,6 @@ def case_device_syncs_per_step() -> None:
     host, which is a wait by design)."""
     import warnings
 
-    from helpers.transparency import sub_comm
-
     from fxpar.comm.device import bind
 
     w = world()
@@ -254,12 +251,7 @@ def case_device_syncs_per_step() -> None:
         plans += [fxpar.Plan(spatial_parts=2),
                   fxpar.Plan(stages=2, microbatches=2, schedule="1f1b")]
     for plan in plans:
-        torch.manual_seed(0)
-        model = _Tiny().double()
-        x = torch.randn(8, 3, 9, 8, dtype=torch.float64)
-        y = torch.randint(0, 5, (8,))
-        program = fxpar.compile(model, plan, x, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-        comm = sub_comm(program.world_size)
+        program, x, y, comm = _tiny(plan)
         if comm is None:
             w.barrier()
             continue
