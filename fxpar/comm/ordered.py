@@ -49,6 +49,8 @@ class Sequencer:
         self.order = order
         self._next = dict.fromkeys(order, 0)
         """peer -> how many of its messages are issued."""
+        self._known = {peer: frozenset(seq) for peer, seq in order.items()}
+        """peer -> its messages, to check a posted one without a scan per message."""
         self._held: dict[int, dict[Entry, tuple[_Slot, Callable[[], Pending]]]] = {}
 
     def isend(self, t: torch.Tensor, peer: int, tag: int) -> Pending:
@@ -64,7 +66,7 @@ class Sequencer:
         if peer == self.comm.rank:  # to oneself: matched by tag, never on the wire
             return issue()
         seq = self.order.get(peer, ())
-        if entry not in seq:
+        if entry not in self._known.get(peer, ()):
             raise RuntimeError(f"{what} is not in the order agreed with that peer "
                                f"(fxpar.core.wire): a bug in fxpar's schedule")
         slot = _Slot(what)

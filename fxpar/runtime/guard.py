@@ -73,6 +73,12 @@ def nonfinite_message(step: int, bad: dict[int, int]) -> str:
             f"every rank: {NONFINITE_ENV}=skip (fxpar-run --nonfinite skip).")
 
 
+def loss_total(losses: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of a step's losses as a float64 0-d tensor on ``device`` (no host read)."""
+    return sum((t.to(device, torch.float64) for t in losses),
+               torch.zeros((), dtype=torch.float64, device=device))
+
+
 def _nonfinite(ts: Iterable[torch.Tensor]) -> torch.Tensor | None:
     """A 0-d bool tensor on the tensors' device: whether some element of ``ts`` is NaN or inf,
     read from their norms (one fused pass per dtype, as ``clip_grad_norm_(error_if_nonfinite=
@@ -149,8 +155,7 @@ class StepGuard:
             bad = _nonfinite(ts)
             if bad is not None:
                 both[me] += bad.to(where, torch.float64) * bit
-        both[size] = sum((t.to(where, torch.float64) for t in losses),
-                         torch.zeros((), dtype=torch.float64, device=where))
+        both[size] = loss_total(losses, where)
         if size > 1:
             self.comm.allreduce(both)  # type: ignore[union-attr]
         values = both.tolist()

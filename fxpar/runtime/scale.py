@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from fxpar.comm.mpi import Comm
+from fxpar.runtime.guard import loss_total
 
 
 @dataclass
@@ -52,8 +53,7 @@ class LossScale:
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
         both = torch.zeros(2, dtype=torch.float64, device=device)
         both[0] = found[0]  # 0 or 1 per rank: the sum is the ranks that saw an inf
-        both[1] = sum((t.to(device, torch.float64) for t in losses or ()),
-                      torch.zeros((), dtype=torch.float64, device=device))
+        both[1] = loss_total(losses or (), device)
         if comm is not None and comm.size > 1:
             comm.allreduce(both)
         flags, self.total = both.tolist()
