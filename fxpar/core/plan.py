@@ -131,6 +131,12 @@ class Plan:
     says the messages saved outweigh the redundant border compute; "all": every chain that
     can be fused; "off": one exchange per windowed op. ``fxpar-inspect --halos`` lists the
     groups and their widths. [--halo-D2 / --fused-layers]"""
+    compile: bool = False
+    """Run each rank's stage modules through ``torch.compile`` (Inductor), forward and
+    backward: the pointwise code between convolutions fuses, communicating ops stay calls in
+    graph order (fxpar.runtime.inductor). The same values to the dtype's rounding; each graph
+    compiles at its first step (Inductor's on-disk cache makes later runs and other ranks of
+    the node fast). [--compile]"""
     strict: bool = False
     """Spatial plans: raise (instead of warning) when the spatial region covers less than
     ``fxpar.COVERAGE_WARN`` of the forward FLOPs on image tensors, e.g. because an op without
@@ -201,6 +207,8 @@ class Plan:
                        f"{self.precision!r}")
         if not isinstance(self.channels_last, bool):
             out.append(f"Plan.channels_last must be True or False, got {self.channels_last!r}")
+        if not isinstance(self.compile, bool):
+            out.append(f"Plan.compile must be True or False, got {self.compile!r}")
         if self.halo_fusion not in HALO_FUSION:
             out.append(f"Plan.halo_fusion must be one of {HALO_FUSION}, got "
                        f"{self.halo_fusion!r}")

@@ -28,6 +28,7 @@ from fxpar.program.compiled import RunnableProgram, input_window_of
 from fxpar.program.groups import communicators, rank_order, stage_syncs, tile_groups
 from fxpar.program.tileloss import TileLoss
 from fxpar.runtime.guard import StepGuard
+from fxpar.runtime.inductor import compiled_stages
 from fxpar.runtime.loop import FORWARD, Runtime, StepState, Tiling
 from fxpar.runtime.scale import LossScale
 from fxpar.runtime.spatial.ops import Join, group_key
@@ -93,7 +94,8 @@ class RankProgram:
             chunk=lambda copy, mb: first_chunk(plan, dp, copy) + mb,
             sync=self._sync, recompute=program.recompute,
             precision=PRECISION_DTYPES[plan.precision], before_step=self._before_step,
-            segments=plan.recompute_segments, tile_loss=self.tile_loss, wire=self._wire)
+            segments=plan.recompute_segments, tile_loss=self.tile_loss, wire=self._wire,
+            compiled=compiled_stages(plan.compile, plan.recompute_segments, stages))
         self.guard = StepGuard(rank, comm, self._buffers, self._grads)
         """Failed steps, NaN/inf, injected faults, the watchdog's clock (fxpar.runtime.guard)."""
         dog = watchdog.current()

@@ -49,6 +49,7 @@ from fxpar.core.schedule import Action, Schedule, format_grid, split_keys
 from fxpar.core.stages import StageGraph, Transfer
 from fxpar.core.wire import Order
 from fxpar.runtime.clock import ActionTime, Clock
+from fxpar.runtime.inductor import CompiledStages
 from fxpar.runtime.recompute import Record, buffers, recording, replaying, restore
 from fxpar.runtime.segments import Segmented, segmented
 from fxpar.runtime.splitgrad import WeightWork, backward_inputs
@@ -184,6 +185,9 @@ class Runtime:
     wire: Callable[[frozenset[str] | None], Order] | None = None
     """This rank's point-to-point messages in the order each peer issues them too, for the
     schedule (or its actions of the given kinds): fxpar.core.wire. None: issued as posted."""
+    compiled: CompiledStages | None = None
+    """``Plan(compile=True)``: the stage modules through torch.compile (fxpar.runtime.inductor),
+    called in their place (not when cut into checkpoint segments)."""
     _waited: float = field(default=0.0, repr=False)
     _p2p: Sequencer | None = field(default=None, repr=False)
 
@@ -313,6 +317,8 @@ class Runtime:
         per step (not again when a recompute runs it a second time)."""
         if self.segments > 1 and st.train and torch.is_grad_enabled():
             outs = segmented(self._segmented, module, self.segments, self.device)(*ins)
+        elif self.compiled is not None:
+            outs = self.compiled((a.copy, a.stage), *ins)
         else:
             outs = module(*ins)
         if a.stage != len(self.graph.modules) - 1:

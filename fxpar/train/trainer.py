@@ -161,6 +161,8 @@ class Trainer:
                 print(f"step {n:>4}/{steps}  loss {loss:.6f}  "
                       f"{rp.program.batch_size / took:8.2f} img/s  ({took:.3f} s, data "
                       f"{data_s:.3f} s){scale}{skip}", flush=True)
+            if rp.rank == 0 and n == start_step + 1 and rp.runtime.compiled is not None:
+                print(rp.runtime.compiled.describe(), flush=True)
             if after_step is not None:
                 after_step(n)
         return rec

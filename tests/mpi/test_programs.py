@@ -8,7 +8,7 @@ import pytest
 from helpers.launch import Batch
 
 HERE = Path(__file__).parent / "cases"
-FILES = [HERE / f"{name}_cases.py" for name in ("emit", "checkpoint", "meta", "driver",
+FILES = [HERE / f"{name}_cases.py" for name in ("emit", "checkpoint", "meta", "driver", "inductor",
                                                   "calibrate")]
 CASES = [f"{f}::{line.split('(')[0][4:]}" for f in FILES if f.exists()
          for line in f.read_text().splitlines() if line.startswith("def case_")]

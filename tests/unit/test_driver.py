@@ -51,6 +51,21 @@ def test_every_mpi4dl_flag_is_accepted_and_lands_in_the_plan_or_run():
         (64, 32, 7, 2, 8)
 
 
+def test_compile_flag_lands_in_the_plan():
+    a = run.parser().parse_args(["models:amoebanet", "--compile", "--spatial-parts", "2"])
+    assert run.plan_from_args(a) == fxpar.Plan(spatial_parts=2, compile=True)
+
+
+def test_compile_with_checkpoint_segments_warns_and_runs_eagerly():
+    from fxpar.runtime.inductor import compiled_stages
+
+    stages = {(0, 0): torch.fx.symbolic_trace(torch.nn.ReLU())}
+    assert compiled_stages(False, 1, stages) is None
+    with pytest.warns(UserWarning, match="checkpoint segments run eagerly"):
+        assert compiled_stages(True, 2, stages) is None
+    assert set(compiled_stages(True, 1, stages).calls) == {(0, 0)}
+
+
 def test_plan_defaults_are_the_trivial_plan():
     assert run.plan_from_args(run.parser().parse_args(["models:amoebanet"])) == fxpar.Plan()
 

@@ -28,6 +28,7 @@ def test_defaults_are_the_trivial_plan():
     (dict(stages=2, balance=[2, 0]), "Plan.balance entries must be integers >= 1"),
     (dict(data_parallel=-1), "Plan.data_parallel must be an integer >= 1, got -1"),
     (dict(gems="yes"), "Plan.gems must be True or False"),
+    (dict(compile="inductor"), "Plan.compile must be True or False, got 'inductor'"),
 ])
 def test_invalid_plans_say_what_to_change(kwargs, message):
     with pytest.raises(PlanError) as e:

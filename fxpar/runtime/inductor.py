@@ -1,0 +1,84 @@
+"""``Plan(compile=True)``: each stage module a rank runs goes through ``torch.compile`` (Inductor).
+
+A stage is an ordinary graph of ATen ops and fxpar's communicating custom ops
+(fxpar.runtime.spatial.library): TorchDynamo traces it whole, AOTAutograd makes its forward and
+backward graphs, and Inductor fuses the code between the communicating ops (a convolution's
+BatchNorm, ReLU and residual add become one loop), which stay calls, in graph order (they are
+ordered effects). Stage boundaries are the pipeline's messages: the runtime loop calls the
+compiled stage as it called the module.
+
+Compilation happens at the first call with a given input shape, dtype, device, grad mode and
+training flag (a guard failure compiles again, up to torch's recompile limit, after which that
+stage runs eagerly and torch warns). Inductor's caches (FX graph cache, AOTAutograd cache,
+``TORCHINDUCTOR_CACHE_DIR``, by default a folder under the system temp directory) are shared by
+every rank on a node and by later runs: only the first rank to compile a graph pays for it
+cold. The first step's time includes the compilation (``fxpar-run`` says so).
+
+What stays eager: the loss (the user's function; fxpar.runtime.loop calls it on the last
+stage's output), and a stage cut into checkpoint segments (``Plan.recompute_segments > 1``:
+``torch.utils.checkpoint`` replays each segment's exchanges from a record, in Python).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+from fxpar.core.fxgraph import generated
+
+Key = tuple[int, int]
+
+OPTIONS = {"inplace_buffers": False}
+"""Inductor settings of every compiled stage (``torch.compile(options=...)``: this compile
+only, no process-wide config). ``inplace_buffers`` off works around an Inductor memory-planning
+bug seen in torch 2.14.1 on an SP2 stage with GroupNorm, a max pool and an upsampling skip
+(``tests/mpi/cases/inductor_cases.py``): a kernel wrote its output in place into a view of a
+``torch.stack`` buffer, and the buffer was then reused for a later output while that view was
+still saved for backward, so two saved tensors shared memory and the gradients came out wrong
+by O(1). Reusing freed buffers (``allow_buffer_reuse``) stays on; turning either one off fixes
+that graph."""
+
+
+@dataclass
+class CompiledStages:
+    """The compiled callables of a rank's stage modules, ``{(copy, stage): fn}``, and the
+    stages that have run through them."""
+
+    calls: dict[Key, Callable[..., Any]]
+    ran: set[Key] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, stages: dict[Key, fx.GraphModule]) -> CompiledStages:
+        """Every stage module compiled (lazily: torch.compile compiles at the first call)."""
+        return cls({k: torch.compile(generated(m), backend="inductor", dynamic=False,
+                                     options=dict(OPTIONS))
+                    for k, m in stages.items()})
+
+    def __call__(self, key: Key, *ins: Any) -> Any:
+        self.ran.add(key)
+        return self.calls[key](*ins)
+
+    def describe(self) -> str:
+        """One line: what was compiled, and where Inductor caches it."""
+        return (f"torch.compile (Inductor): rank 0's {len(self.calls)} stage graph(s), "
+                f"forward and backward, compiled during step 1 (its time includes that); "
+                f"cached in {cache_dir()} (TORCHINDUCTOR_CACHE_DIR) for later runs and the "
+                f"other ranks of this node")
+
+
+def compiled_stages(compile: bool, segments: int, stages: dict[Key, fx.GraphModule]
+                    ) -> CompiledStages | None:
+    """``Plan(compile=..., recompute_segments=...)``'s compiled stages, or None (eager)."""
+    if not compile:
+        return None
+    if segments > 1:
+        warnings.warn("Plan(compile=True) with recompute_segments > 1: stages cut into "
+                      "checkpoint segments run eagerly (not compiled)", stacklevel=3)
+        return None
+    return CompiledStages.of(stages)
