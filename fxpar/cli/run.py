@@ -86,7 +86,7 @@ PLAN_FLAGS = (("stages", "--stages/--split-size", 1), ("balance", "--balance", N
               ("recompute_segments", "--recompute-segments", 1),
               ("channels_last", "--channels-last", False),
               ("precision", "--precision", "fp32"),
-              ("halo_fusion", "--halo-fusion", "off"))
+              ("halo_fusion", "--halo-fusion", "off"), ("compile", "--compile", False))
 MODEL_FLAGS = (("model_arg", "-k"), ("num_layers", "--num-layers"),
                ("num_filters", "--num-filters"))
 USER_ERRORS = (PlanError, ModelSpecError, TraceError, DataError, CheckpointError, ValueError,
@@ -199,6 +199,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--halo-fusion", choices=HALO_FUSION,
                    help="spatial plans: consecutive convolutions / pools share one wider halo "
                    "exchange (default off; auto: where the cost model says it pays)")
+    g.add_argument("--compile", action="store_true", default=None,
+                   help="compile each rank's stages with torch.compile (Inductor): fused "
+                   "pointwise code, the same values to rounding; compiles at the first step")
     add_args(g, run=True)
     add_eval_args(p)
     return p
@@ -220,7 +223,7 @@ def plan_from_args(a: argparse.Namespace) -> Plan:
                 recompute=v["recompute"], memory_per_rank=v["memory_per_rank"],
                 recompute_segments=v["recompute_segments"],
                 channels_last=v["channels_last"], precision=v["precision"],
-                halo_fusion=v["halo_fusion"])
+                halo_fusion=v["halo_fusion"], compile=v["compile"])
 
 
 def input_size(a: argparse.Namespace) -> tuple[int, ...]:
@@ -338,14 +341,15 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
 
 def _auto(a: argparse.Namespace, model: torch.nn.Module, shape: tuple[int, ...],
           comm: Comm | None, given: Plan) -> Plan:
-    """``--plan auto``: every rank runs the same search (the same answer); rank 0 prints it."""
+    """``--plan auto``: every rank runs the same search (the same answer, on the same profile:
+    without --profile, this machine's, which every rank measures together when it is not
+    cached: fxpar.cli.auto.profile_of); rank 0 prints it."""
     if comm is None and failfast.launched():
         from fxpar.comm.world import world as mpi_world
 
         comm = mpi_world()
-    size, rank = (comm.size, comm.rank) if comm is not None else (1, 0)
-    plan, found = choose(model, shape, size, a, given)
-    if rank == 0:
+    plan, found = choose(model, shape, comm, a, given)
+    if comm is None or comm.rank == 0:
         print(found.report(), flush=True)
     return plan
 

@@ -63,12 +63,18 @@ class AutoPlan:
     world_size: int
     memory_per_rank: int | None
     profile: str
+    """The profile's name."""
+    profile_note: str = ""
+    """Where the profile came from, for the report (fxpar-run --plan auto: measured on this
+    machine now, cached, or given by --profile); "" says nothing."""
 
     def report(self, top: int = 8) -> str:
         """The top plans with predicted step and memory, then the rejected ones by reason."""
         budget = nbytes(self.memory_per_rank) if self.memory_per_rank else "no limit"
+        note = f" ({self.profile_note})" if self.profile_note else ""
         lines = [f"plan search: {self.world_size} rank(s), memory per rank {budget}, profile "
-                 f"{self.profile!r}: {self.searched} plans searched in {self.seconds[1]:.2f} s "
+                 f"{self.profile!r}{note}: {self.searched} plans searched in "
+                 f"{self.seconds[1]:.2f} s "
                  f"(model analysed in {self.seconds[0]:.2f} s, choice compiled in "
                  f"{self.seconds[2]:.2f} s)",
                  f"  {'#':>3}  {'plan':<44} {'step s':>10} {'bubble':>7} {'memory/rank':>12}"]
@@ -197,7 +203,13 @@ def plan_auto(model: nn.Module, example: torch.Tensor | tuple[int, ...], world_s
     fits ``memory_per_rank`` bytes (None: no limit), ranked on ``profile`` (a Profile, a
     profile file, or a shipped profile's name). ``example``: one global batch or its shape.
     ``check``: compile the chosen plan (on meta tensors) to make sure it is valid.
-    Raises PlanError when no plan fits, saying what the closest one needs."""
+    Raises PlanError when no plan fits, saying what the closest one needs.
+
+    The default profile stays the shipped ``h100-nvlink-ib``, not this machine: this function
+    plans for any number of ranks from one process (2,048 H100s in docs/scaling.md), where a
+    calibration of the process it runs in would measure neither the target's devices nor its
+    links. ``fxpar-run --plan auto`` plans for the job it runs in, and without ``--profile``
+    ranks on that job's own machine (fxpar.planner.localprofile.local_profile)."""
     t0 = time.perf_counter()
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"plan_auto needs world_size >= 1 ranks, got {world_size!r}")

@@ -267,10 +267,12 @@ def case_cli_plan_auto_chooses_the_planners_plan_and_trains_like_one_process():
         return
     root = _folder(comm)
     metrics = root / "auto.json"
+    # ranked on plan_auto's default profile, as below (without --profile fxpar-run ranks on
+    # this machine's: calibrate_cases.py checks that)
     argv = [f"{HERE}:tiny_net", "--num-classes", "3", "--image-size", str(SIZE),
             "--batch-size", "4", "--data", str(root), "--epochs", "2", "--dtype", "float64",
             "--lr", "0.02", "--seed", "3", "--plan", "auto", "--memory-per-rank", "1GiB",
-            "--metrics", str(metrics)]
+            "--profile", "h100-nvlink-ib", "--metrics", str(metrics)]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert fxpar_run(argv, comm=comm) == 0
@@ -281,7 +283,8 @@ def case_cli_plan_auto_chooses_the_planners_plan_and_trains_like_one_process():
         return
     # what the library's planner chooses for the same model, batch, ranks and budget
     found = fxpar.plan_auto(tiny_net().double(), (4, 3, SIZE, SIZE), 4, 2**30, check=False)
-    assert "plan search: 4 rank(s), memory per rank 1.00 GiB" in text, text
+    assert "plan search: 4 rank(s), memory per rank 1.00 GiB, profile 'h100-nvlink-ib' " \
+        "(--profile h100-nvlink-ib)" in text, text
     chosen = _lines(text, "chosen: ")
     assert chosen == [f"chosen: {describe(found.plan)}"], (chosen, found.report())
     plan = fxpar.Plan(**load_metrics(metrics)["plan"])
