@@ -8,7 +8,9 @@ The recipe::
         --compile--> one program per crop shape, in eval mode
         --loop--> per batch of regions: each rank reads its window of each crop (plus halo)
                   from the image, forward, the output rank keeps each region's middle and
-                  writes it (fxpar.data.writers), progress on stderr
+                  writes it (fxpar.data.writers), progress on stderr; a reader thread
+                  prepares the next batch and a writer thread writes the last one while a
+                  batch computes (predict_pipeline.py)
 
 Every rank reads only its tile of each crop plus the halo its first convolutions need
 (``RankProgram.input_window``), never the whole image; the crops overlap by the model's
@@ -20,6 +22,7 @@ batch dimension: data-parallel plans give each replica its own regions).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
 import time
@@ -36,6 +39,7 @@ from torch import nn
 
 from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
+from fxpar.compiler.predict_pipeline import Drain, Prefetch
 from fxpar.compiler.receptive import (
     Reach,
     ReachError,
@@ -47,6 +51,7 @@ from fxpar.compiler.receptive import (
     reach_model,
 )
 from fxpar.core.geometry import Rect
+from fxpar.core.options import flag
 from fxpar.core.plan import Plan
 from fxpar.data.errors import DataError
 from fxpar.data.images import to_tensor
@@ -59,7 +64,8 @@ OUTPUTS = ("argmax", "softmax", "sigmoid", "logits")
 
 
 class Image(Protocol):
-    """What predict reads: (C, *spatial) and any window of it (fxpar.data.images readers)."""
+    """What predict reads: (C, *spatial) and any window of it (fxpar.data.images readers).
+    ``read`` is called from predict's reader thread (one call at a time)."""
 
     shape: tuple[int, ...]
 
@@ -265,49 +271,81 @@ def _predict(model: nn.Module, plan: Plan, src: Image, out: str | Path | None,
     if log is not None and rank == writer:
         log(describe(grid, r, shapes, len(todo), len(regions)))
     t0 = time.perf_counter()
-    for shape, program in programs.items():
-        mine = [g for g in todo if g.crop_shape == shape]
-        if not mine:
-            continue
-        rp = program.local(world) if world is not None else program.for_rank(0)
-        rp.to(device)
-        rp.eval()
-        window = rp.input_window()
+    helpers = flag("predict_overlap")  # reader and writer threads (predict_pipeline.py)
+    sink = _Sink(output, store, whole_out, bar)
+    with Drain(sink.write, threaded=helpers and rank == writer) as writes:
+        for shape, program in programs.items():
+            mine = [g for g in todo if g.crop_shape == shape]
+            if not mine:
+                continue
+            rp = program.local(world) if world is not None else program.for_rank(0)
+            rp.to(device)
+            rp.eval()
+            window = rp.input_window()
+            read = functools.partial(_read_batch, src, window, (batch, channels, *shape), dtype)
+            try:
+                with Prefetch(list(batches(mine, batch)), read,
+                              threaded=helpers and window is not None) as inputs:
+                    for group, x in inputs:
+                        y = rp.forward(x.to(device) if x is not None else None)
+                        if rank == writer:
+                            writes.put((group, y.cpu()))
+            except Exception as e:
+                if world is None or world.size == 1:
+                    raise
+                failfast.fail(e)  # one rank failing ends the whole job: nobody waits
+            finally:
+                rp.close()
         try:
-            for group in batches(mine, batch):
-                crops = group + [group[-1]] * (batch - len(group))
-                x = None  # a rank that reads no input (a later stage) passes None
-                if window is not None:  # only the window is ever touched: the rest of the
-                    x = torch.empty((batch, channels, *shape), dtype=dtype)  # crop costs no RAM
-                    for j, g in enumerate(crops):
-                        read = src.read(window.moved(tuple(-a for a, _ in g.crop.dims)))
-                        x[(j, slice(None), *(slice(a, b) for a, b in window.dims))] = \
-                            to_tensor(read, dtype)
-                y = rp.forward(x.to(device) if x is not None else None)
-                if rank != writer:
-                    continue
-                y = y.cpu()
-                for j, g in enumerate(group):
-                    part = y[(j, slice(None), *(slice(a, b) for a, b in g.keep.dims))]
-                    vals = transform(part, output)
-                    if store is not None:
-                        store.write(g.index, g.out, vals)
-                    elif whole_out is not None:
-                        whole_out[(slice(None), *(slice(a, b) for a, b in g.out.dims))] = vals
-                if bar is not None:
-                    bar.update(len(group), sum(g.box.size for g in group))
+            writes.finish()
         except Exception as e:
             if world is None or world.size == 1:
                 raise
-            failfast.fail(e)  # one rank failing ends the whole job: nobody waits
-        finally:
-            rp.close()
+            failfast.fail(e)
     result: np.ndarray | Path | None = whole_out
     if store is not None:
         result = store.finish(geo, grid.scale)
     overlap = sum(g.crop.size for g in regions) / math.prod(size)
     return Prediction(grid, r, shapes, len(regions), len(regions) - len(todo),
                       time.perf_counter() - t0, overlap, result)
+
+
+def _read_batch(src: Image, window: Rect | None, shape: tuple[int, ...], dtype: torch.dtype,
+                group: list[Region]) -> tuple[list[Region], torch.Tensor | None]:
+    """The input of one forward (``shape``: batch, channels, *crop) for ``group``'s regions
+    (the last repeated up to the batch): only ``window`` of each crop is read and filled, the
+    rest of the crop costs no RAM. None on a rank that reads no input (a later stage)."""
+    if window is None:
+        return group, None
+    x = torch.empty(shape, dtype=dtype)
+    crops = group + [group[-1]] * (shape[0] - len(group))
+    for j, g in enumerate(crops):
+        read = src.read(window.moved(tuple(-a for a, _ in g.crop.dims)))
+        x[(j, slice(None), *(slice(a, b) for a, b in window.dims))] = to_tensor(read, dtype)
+    return group, x
+
+
+@dataclass
+class _Sink:
+    """Where the writing rank puts each batch's output: the middle of each region, transformed
+    (``output``), into the store or the whole array; then the progress bar moves."""
+
+    output: str
+    store: PredictionStore | None
+    whole: np.ndarray | None
+    bar: Progress | None
+
+    def write(self, done: tuple[list[Region], torch.Tensor]) -> None:
+        group, y = done
+        for j, g in enumerate(group):
+            vals = transform(y[(j, slice(None), *(slice(a, b) for a, b in g.keep.dims))],
+                             self.output)
+            if self.store is not None:
+                self.store.write(g.index, g.out, vals)
+            elif self.whole is not None:
+                self.whole[(slice(None), *(slice(a, b) for a, b in g.out.dims))] = vals
+        if self.bar is not None:
+            self.bar.update(len(group), sum(g.box.size for g in group))
 
 
 def describe(grid: RegionGrid, r: Reach, shapes: list[tuple[int, ...]], todo: int,

@@ -91,10 +91,22 @@ OPTIONS: dict[str, Option] = {
         "Keep each model capture (torch.export) in this folder and reuse it in later "
         "processes that compile a model of the same structure, code and input shape "
         "(fxpar.frontend.capture_store); unset: every process captures its model."),
+    "profile_cache": Option(
+        "FXPAR_PROFILE_CACHE", "", "folder | off",
+        "Where `fxpar-run --plan auto` without --profile keeps the profile it measures of the "
+        "machine and job shape it runs on (a few seconds' calibration, "
+        "fxpar.planner.localprofile), one file each, for the next run; a folder writable by "
+        "others is not used. unset: $XDG_CACHE_HOME/fxpar/profiles (~/.cache/fxpar/profiles); "
+        "off: measure every run, keep nothing."),
     "halo_window": Option(
         "FXPAR_HALO_WINDOW", "0", "1 | 0",
         "1: every halo convolution assembles its whole input window first (the path before "
         "the split interior/border convolution; tools/bench_spatial.py compares them)."),
+    "predict_overlap": Option(
+        "FXPAR_PREDICT_OVERLAP", "1", "1 | 0",
+        "1: fxpar.predict reads the next batch of regions in a reader thread and writes the "
+        "last one in a writer thread while a batch computes (fxpar.compiler.predict_pipeline); "
+        "0: the main thread reads, computes and writes in turn (for debugging and timing)."),
 }
 """Option name -> its declaration, in the order the docs list them."""
 

@@ -5,6 +5,10 @@ ranks) spatial, data-parallel and layer plans, a library U-Net and the CLI equal
 image. A margin one step short is caught."""
 
 import math
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
 import numpy as np
@@ -24,7 +28,7 @@ from fxpar.core.geometry import Rect
 from fxpar.data.errors import DataError
 from fxpar.data.regions import region_grid
 from fxpar.data.writers import PredictionStore
-from fxpar.testing import load_case
+from fxpar.testing import load_case, mpiexec
 
 CASES, _ = cases_in("predict_cases.py")
 HERE = CASES[0].split("::")[0]
@@ -328,3 +332,66 @@ def test_geotiff_at_a_pyramid_level_keeps_its_georeference(tmp_path):
     x = torch.from_numpy(levels[1].transpose(2, 0, 1).astype(np.float64) / 255)
     want = _whole(small_unet(), x).argmax(0).numpy()
     assert got.shape == (32, 48) and (got == want).all()
+
+
+# -- a failing reader or writer thread under mpiexec ends the whole job ---------------------------
+HELPER_JOB = """
+import sys
+import torch
+from torch import nn
+import fxpar
+from fxpar.comm.world import world
+from fxpar.compiler.predict import ArrayImage
+from fxpar.data.writers import PredictionStore
+
+mode, out = sys.argv[1:]
+rank = world().rank
+
+
+class Image(ArrayImage):
+    def read(self, window):
+        if mode == "reader" and rank == 1 and len(self.reads) == 2:
+            raise OSError("rank 1 cannot read its window")
+        return super().read(window)
+
+
+real = PredictionStore.write
+
+
+def write(self, index, box, values):
+    if mode == "writer" and len(self.done) == 2:
+        raise OSError("no space left on device")
+    real(self, index, box, values)
+
+
+PredictionStore.write = write
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1))
+fxpar.predict(model, fxpar.Plan(spatial_parts=2), Image(torch.rand(3, 64, 64)), out,
+              region=16, progress=False)
+print(f"rank {rank} returned")
+"""
+
+
+@pytest.mark.mpi
+def test_a_failing_reader_or_writer_thread_ends_the_whole_job(tmp_path):
+    """Rank 1's reader raises on its 3rd window (rank 0 would wait for its halo); the writing
+    rank 0's writer raises on its 3rd region: each ends both ranks through fail-fast, with
+    the failing rank's traceback naming the thread, long before the harness's timeout."""
+    job = tmp_path / "job.py"
+    job.write_text(HELPER_JOB)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def launch(mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([mpiexec(), "-n", "2", sys.executable, str(job), mode,
+                               str(tmp_path / f"{mode}.zarr")], capture_output=True, text=True,
+                              env=env, timeout=240)
+
+    with ThreadPoolExecutor(2) as pool:
+        reader, writer = pool.map(launch, ("reader", "writer"))
+    for ran, rank, error, thread in ((reader, 1, "rank 1 cannot read its window", "reader"),
+                                     (writer, 0, "no space left on device", "writer")):
+        out = ran.stdout + ran.stderr
+        assert ran.returncode != 0 and "returned" not in out, out[-3000:]
+        assert f"fxpar: rank {rank} of 2 failed; ending the whole job" in out, out[-3000:]
+        assert f"OSError: {error}" in out and f"fxpar-predict's {thread} thread" in out
