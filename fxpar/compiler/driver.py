@@ -282,8 +282,8 @@ def compile(  # noqa: A001 - the public name the design fixes
     check_tags(tag_uses(plan, len(graph.transfers), halo_tags))
     schedule = rank_schedules(rank_map, links_of(graph))
     # matching and deadlock, every rank, with MPI's tags and in NCCL's issue order
-    agreed_order(lower(schedule, graph, rank_map, spatial.grid if spatial is not None else None),
-                 schedule)
+    order = agreed_order(lower(schedule, graph, rank_map,
+                               spatial.grid if spatial is not None else None), schedule)
     program = Program(plan=plan, rank_map=rank_map, graph=graph, schedule=schedule,
                       loss_fn=loss_fn, optimizer=optimizer, batch_size=int(shape[0]),
                       names=tuple(model.state_dict().keys()), traced=gm, spatial=spatial,
@@ -292,7 +292,8 @@ def compile(  # noqa: A001 - the public name the design fixes
                                                  spatial.grid if spatial is not None else None),
                       recompute=recomputed_stages(plan.recompute, plan.stages),
                       predictor=functools.partial(predict, model, plan, loss_fn=loss_fn),
-                      loss_tiles=loss_factory(gm, plan, loss_fn, spatial, target))
+                      loss_tiles=loss_factory(gm, plan, loss_fn, spatial, target),
+                      orders={None: order})
     if plan.recompute == "auto":
         assert plan.memory_per_rank is not None  # Plan validates it
         program = dataclasses.replace(program,

@@ -74,7 +74,13 @@ def rank_order(program: CompiledProgram, rank: int, only: frozenset[str] | None)
     """``rank``'s point-to-point messages to each peer in the order both ends issue them, for
     the program's schedule (``only``: its actions of those kinds, on every rank alike, as a
     forward pass runs them): fxpar.core.wire, from every rank's lowered step."""
+    known = getattr(program, "orders", None)  # a Program's (a loaded one has none)
+    if known is not None and only in known:
+        return known[only].get(rank, {})
     schedule = program.schedule if only is None else \
         {r: [a for a in acts if a.kind in only] for r, acts in program.schedule.items()}
     grid = program.spatial.grid if program.spatial is not None else None
-    return agreed_order(lower(schedule, program.graph, program.rank_map, grid)).get(rank, {})
+    orders = agreed_order(lower(schedule, program.graph, program.rank_map, grid))
+    if known is not None:
+        known[only] = orders
+    return orders.get(rank, {})

@@ -18,7 +18,7 @@ import copy
 import functools
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from fxpar.core.modelkeys import MODEL_KEYS, ModelKeys, attach, complete, with_u
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.schedule import Schedule
 from fxpar.core.stages import StageGraph
+from fxpar.core.wire import Order
 from fxpar.program.compiled import SpatialInfo as SpatialInfo  # re-exported: driver, loader
 from fxpar.program.rank import RankProgram as RankProgram  # re-exported: fxpar, users
 from fxpar.program.rank import to_channels_last as to_channels_last  # re-exported
@@ -88,6 +89,11 @@ class Program:
     keys: ModelKeys | None = None
     """The model's aliased and unused state_dict keys (fxpar.core.modelkeys), as saved with a
     program on disk; None: read from ``traced`` (:attr:`model_keys`)."""
+    orders: dict[frozenset[str] | None, dict[int, Order]] = field(default_factory=dict,
+                                                                    compare=False, repr=False)
+    """Every rank's point-to-point order (fxpar.core.wire.agreed_order), per set of action
+    kinds (None: the whole step), as the compile's schedule check found it or a rank program
+    first needed it (fxpar.program.groups.rank_order): not derived again per rank."""
 
     @property
     def world_size(self) -> int:
