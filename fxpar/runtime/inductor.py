@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from fxpar.core.fxgraph import generated
 
@@ -66,6 +65,9 @@ class CompiledStages:
 
     def describe(self) -> str:
         """One line: what was compiled, and where Inductor caches it."""
+        # torch's inductor package (and dynamo under it) loads only for a compiled plan
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
         return (f"torch.compile (Inductor): rank 0's {len(self.calls)} stage graph(s), "
                 f"forward and backward, compiled during step 1 (its time includes that); "
                 f"cached in {cache_dir()} (TORCHINDUCTOR_CACHE_DIR) for later runs and the "
