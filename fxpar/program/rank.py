@@ -95,7 +95,8 @@ class RankProgram:
             sync=self._sync, recompute=program.recompute,
             precision=PRECISION_DTYPES[plan.precision], before_step=self._before_step,
             segments=plan.recompute_segments, tile_loss=self.tile_loss, wire=self._wire,
-            compiled=compiled_stages(plan.compile, plan.recompute_segments, stages))
+            compiled=compiled_stages(plan.compile, plan.recompute_segments, stages,
+                                     plan.spatial_stages if plan.spatial else 0))
         self.guard = StepGuard(rank, comm, self._buffers, self._grads)
         """Failed steps, NaN/inf, injected faults, the watchdog's clock (fxpar.runtime.guard)."""
         dog = watchdog.current()

@@ -318,7 +318,7 @@ class Runtime:
         if self.segments > 1 and st.train and torch.is_grad_enabled():
             outs = segmented(self._segmented, module, self.segments, self.device)(*ins)
         elif self.compiled is not None:
-            outs = self.compiled((a.copy, a.stage), *ins)
+            outs = self.compiled((a.copy, a.stage), module, *ins)
         else:
             outs = module(*ins)
         if a.stage != len(self.graph.modules) - 1:

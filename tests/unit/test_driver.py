@@ -64,6 +64,9 @@ def test_compile_with_checkpoint_segments_warns_and_runs_eagerly():
     with pytest.warns(UserWarning, match="checkpoint segments run eagerly"):
         assert compiled_stages(True, 2, stages) is None
     assert set(compiled_stages(True, 1, stages).calls) == {(0, 0)}
+    with pytest.warns(UserWarning, match="spatial stages run eagerly"):
+        assert compiled_stages(True, 1, {**stages, (0, 1): stages[(0, 0)]}, 1).calls.keys() \
+            == {(0, 1)}
 
 
 def test_plan_defaults_are_the_trivial_plan():
