@@ -3,8 +3,8 @@
 A stage is an ordinary graph of ATen ops and fxpar's communicating custom ops
 (fxpar.runtime.spatial.library): TorchDynamo traces it whole, AOTAutograd makes its forward and
 backward graphs, and Inductor fuses the code between the communicating ops (a convolution's
-BatchNorm, ReLU and residual add become one loop), which stay calls, in graph order (they are
-ordered effects). Stage boundaries are the pipeline's messages: the runtime loop calls the
+BatchNorm, ReLU and residual add become one loop), which stay calls. Stage boundaries are
+the pipeline's messages: the runtime loop calls the
 compiled stage as it called the module.
 
 Compilation happens at the first call with a given input shape, dtype, device, grad mode and
@@ -16,14 +16,19 @@ cold. The first step's time includes the compilation (``fxpar-run`` says so).
 
 What stays eager: the loss (the user's function; fxpar.runtime.loop calls it on the last
 stage's output), a stage cut into checkpoint segments (``Plan.recompute_segments > 1``:
-``torch.utils.checkpoint`` replays each segment's exchanges from a record, in Python), and,
-for now, every spatial stage. Compiled, a ResNet-18 SP2 stage at 128x128 deadlocked in its
-first forward (torch 2.14.1; the same program eager, and at 64x64 and 512x512 compiled, ran):
-rank 1 went on to layer2's BatchNorm allgather without posting the receive of layer2.0.conv1's
-halo, for which rank 0 waited. Until that is understood, tiles run eagerly (a warning says
-so); pipeline and other non-spatial stages compile. A compiled spatial stage also gained
-nothing yet: its BatchNorm and pooling are custom ops Inductor cannot fuse into (SP2
-ResNet-18 at 512x512 measured 1.05x slower compiled, docs/benchmarks.md).
+``torch.utils.checkpoint`` replays each segment's exchanges from a record, in Python), and, for
+now, every spatial stage. Inductor (torch 2.14.1) does not keep the order of fxpar's ops
+although they are registered as ordered effects: in a compiled ResNet-18 SP2 stage at 128x128
+its generated code ran layer2.0's downsample convolution (halo tag 40) and its BatchNorm
+statistics before layer2.0.conv1 (tag 32) on rank 1 and between conv1 and conv2 on rank 0 (the
+graph has them after conv2). Halo messages match by tag and survive that; the statistics'
+allgathers do not: rank 1 waited in one allgather while rank 0 waited for the receive of
+conv1's halo (a deadlock, turned into an error by the watchdog), and two allgathers of equal
+size would have paired silently. Until the ops carry their order as a data dependency, tiles
+run eagerly (a warning says so); pipeline and other non-spatial stages, which hold no fxpar op,
+compile. A compiled spatial stage also gained nothing yet: its BatchNorm and pooling are custom
+ops Inductor cannot fuse into (SP2 ResNet-18 at 512x512 measured 1.05x slower compiled,
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
