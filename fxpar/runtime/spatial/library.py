@@ -25,11 +25,13 @@ What a backward needs from its forward travels as extra outputs, marked non-diff
 max pool's argmax), ``sync_batch_norm`` the statistics, ``group_extreme`` the cells at the
 extreme and their count.
 
-Every op is registered as an ordered effect (``CustomOpDef.register_effect``): graph passes of
-``torch.compile`` keep their order. Each rank posts its messages in its graph's order; every
-rank of a tile group runs the same stage graph and each exchange has its own MPI tags
-(fxpar.runtime.spatial.tags), so an op reordered on one rank only could leave it waiting for
-a peer that waits for it.
+Every op is registered as an ordered effect (``CustomOpDef.register_effect``): AOTAutograd
+threads effect tokens through them in graph order, but Inductor's generated code (torch 2.14.1)
+does not keep that order, which is why compiled plans keep tiles eager
+(fxpar.runtime.inductor). Each rank posts its messages in its graph's order; every rank of a
+tile group runs the same stage graph and each exchange has its own MPI tags
+(fxpar.runtime.spatial.tags), so an op reordered on one rank only could leave it waiting for a
+peer that waits for it.
 """
 
 from __future__ import annotations
