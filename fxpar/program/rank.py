@@ -21,7 +21,7 @@ from fxpar.comm.mpi import Comm
 from fxpar.core.geometry import Rect
 from fxpar.core.plan import PRECISION_DTYPES, Plan, PlanError
 from fxpar.core.roles import chunks_per_copy, first_chunk
-from fxpar.core.schedule import Action, format_grid
+from fxpar.core.schedule import Action, format_grid, split_keys
 from fxpar.core.wire import Order
 from fxpar.program.checkpoint_folder import CheckpointError, some_keys
 from fxpar.program.compiled import RunnableProgram, input_window_of
@@ -96,7 +96,9 @@ class RankProgram:
             precision=PRECISION_DTYPES[plan.precision], before_step=self._before_step,
             segments=plan.recompute_segments, tile_loss=self.tile_loss, wire=self._wire,
             compiled=compiled_stages(plan.compile, plan.recompute_segments, stages,
-                                     plan.spatial_stages if plan.spatial else 0))
+                                     plan.spatial_stages if plan.spatial else 0,
+                                     frozenset(k[:2] for k in split_keys(
+                                         [program.schedule[rank]]))))
         self.guard = StepGuard(rank, comm, self._buffers, self._grads)
         """Failed steps, NaN/inf, injected faults, the watchdog's clock (fxpar.runtime.guard)."""
         dog = watchdog.current()
