@@ -27,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
+from bench_spatial import eager_step, sgd  # noqa: E402  (the user's loop and optimizer)
 
 TITLE = "Compiled stages: Plan(compile=True) vs eager"
 AIM_ONE = 0.85  # compiled one-rank step / eager step
@@ -50,16 +51,9 @@ def add_args(parser: argparse._ActionsContainer) -> None:
     parser.add_argument("--inductor-warmup", type=int, default=2)
 
 
-def _sgd(params: Any) -> Any:
-    import torch
-
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4)
-
-
 # -- worker ----------------------------------------------------------------------------------
 def worker(a: argparse.Namespace) -> dict[str, Any] | None:
     import torch
-    import torch.nn.functional as F
 
     import fxpar
     from fxpar.models.zoo import build_model
@@ -76,17 +70,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any] | None:
     y = torch.randint(0, CLASSES, (batch,), generator=gen)
     systems: dict[str, Any] = {}
     if a.ranks == 1:
-        eager = copy.deepcopy(model)
-        opt = _sgd(eager.parameters())
-
-        def eager_step() -> float:
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(eager(x), y)
-            loss.backward()
-            opt.step()
-            return loss.item()
-
-        systems["eager"] = eager_step
+        systems["eager"] = eager_step(copy.deepcopy(model), x, y)
         plans = {"fxpar": fxpar.Plan(), "fxpar compiled": fxpar.Plan(compile=True)}
         comm = None
     else:
@@ -96,7 +80,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any] | None:
         plans = {"SP2": fxpar.Plan(spatial_parts=a.ranks),
                  "SP2 compiled": fxpar.Plan(spatial_parts=a.ranks, compile=True)}
     for name, plan in plans.items():
-        rp = fxpar.compile(copy.deepcopy(model), plan, x, optimizer=_sgd,
+        rp = fxpar.compile(copy.deepcopy(model), plan, x, optimizer=sgd,
                            comm=comm).local(comm)
         systems[name] = lambda rp=rp: rp.train_step(x, y)
     times: dict[str, list[float]] = {s: [] for s in systems}

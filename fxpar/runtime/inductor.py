@@ -117,7 +117,7 @@ def compiled_stages(compile: bool, segments: int, stages: dict[Key, fx.GraphModu
     return CompiledStages.of({k: m for k, m in stages.items() if k not in tiles | held})
 
 
-SPLIT_BACKWARD_TORCH = (2, 14)
+SPLIT_BACKWARD_TORCH = "2.14"
 """The first torch with which a compiled stage's backward splits (zero bubble's W,
 fxpar.runtime.splitgrad) in fxpar's tests. torch 2.11 fails there: ``torch.autograd.backward``
 of a ``GradientEdge`` of the compiled graph's node reads its ``_input_metadata``, which that
@@ -127,5 +127,4 @@ tried."""
 
 def edges_of_compiled() -> bool:
     """Whether this torch splits a compiled stage's backward (:data:`SPLIT_BACKWARD_TORCH`)."""
-    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    return version >= SPLIT_BACKWARD_TORCH
+    return torch.__version__ >= SPLIT_BACKWARD_TORCH  # a TorchVersion: compares as versions
