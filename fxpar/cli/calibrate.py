@@ -31,6 +31,7 @@ def _summary(p: Profile) -> str:
         f"  norms            {(p.norm_bytes or p.mem_bytes) / 1e9:10.2f} GB/s",
         f"  pools            {p.pool_rate / 1e9:10.2f} G window elements/s" if p.pool_rate
         else "  pools            memory-bound",
+        f"  per conv call    {p.conv_pixels:10.1f} rows of work (fixed cost)",
         f"  per op           {p.op_s * 1e6:10.2f} us",
         f"  per tile op      {p.tile_op_s * 1e6:10.2f} us (each way)",
         *(link(k) for k in ("p2p_intra", "p2p_inter", "allreduce_intra", "allreduce_inter")),

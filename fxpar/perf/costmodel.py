@@ -3,12 +3,13 @@ simulator (``simulate(..., timing=...)``) runs the per-rank action lists on.
 
 Compute: each node of the analysed graph costs ``op_s`` plus the larger of its FLOPs at the
 profile's rate for its kind (dense and grouped convolutions, matrix products; torch's
-FlopCounter counted them; pools: the elements their windows read, at ``pool_rate`` where the
-profile measured it) and the bytes it moves at ``mem_bytes`` (``norm_bytes`` for norms; it
-reads about as much as it writes: twice its output), for one chunk (the compiler analyses the
-graph at one chunk of the batch) and, in a spatial stage, one tile (1/P of a tiled node). A
-backward costs ``BACKWARD`` times its forward (pools: see ``node_times``). Ranks beyond a
-node's slots share them (``Profile.slowdown``: 4 ranks on 2 cores compute at half speed).
+FlopCounter counted them; a convolution call's fixed cost is ``Profile.conv_pixels`` more
+rows; pools: the elements their windows read, at ``pool_rate`` where the profile measured it)
+and the bytes it moves at ``mem_bytes`` (``norm_bytes`` for norms; it reads about as much as it
+writes: twice its output), for one chunk (the compiler analyses the graph at one chunk of the
+batch) and, in a spatial stage, one tile (1/P of a tiled node). A backward costs ``BACKWARD``
+times its forward (pools: see ``node_times``). Ranks beyond a node's slots share them
+(``Profile.slowdown``: 4 ranks on 2 cores compute at half speed).
 
 Communication: a spatial stage's halo exchanges (every windowed node of the region, the
 messages and bytes of the tile with the most neighbours, ``exchange`` geometry) and its norm
@@ -75,6 +76,8 @@ def node_seconds(n: fx.Node, profile: Profile, share: float, norm: bool = False)
         elif info is not None and len(info.shape) >= 3:
             rate = profile.conv_rate(int(info.shape[1]), int(max(info.shape[2:])))
     compute = c.flops * share / rate if rate and c.flops else 0.0
+    if name in CONV and rate and c.flops and profile.conv_pixels:  # the call's fixed cost
+        compute += c.flops / _rows(n) * profile.conv_pixels / rate
     if profile.pool_rate and name in (*MAX_POOL, *AVG_POOL):
         compute = _window_elements(n) * share / profile.pool_rate
     bandwidth = (profile.norm_bytes or profile.mem_bytes) if norm else profile.mem_bytes
@@ -96,6 +99,12 @@ def node_times(n: fx.Node, profile: Profile, share: float, norm: bool = False
     if name in AVG_POOL:
         return f, f
     return f, profile.op_s + 2 * c.out_bytes * share / profile.mem_bytes
+
+
+def _rows(n: fx.Node) -> int:
+    """Rows of convolution ``n``'s output: batch x spatial positions."""
+    shape = meta.get(n, TensorInfo).shapes[0]
+    return max(1, shape[0] * math.prod(shape[2:]))
 
 
 def _tile_bytes(n: fx.Node, share: float) -> float:

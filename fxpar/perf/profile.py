@@ -82,6 +82,13 @@ class Profile:
     """Window elements per second of a max / average pool's forward (output elements x kernel
     size): on CPUs far slower than the pool's bytes say; 0: memory-bound like a pointwise
     op."""
+    conv_pixels: float = 0.0
+    """Output pixels of work a convolution call costs on top of its own (its rows: batch x
+    spatial positions): ``FLOPs x (pixels + conv_pixels) / pixels / rate``.
+    A call's fixed cost (packing its weights, a weight gradient reduced over few rows) makes
+    small calls run far below the rate on CPUs: a micro-batch of one small image, a deep
+    layer's 4x4 map, a small tile. Measured by ``fxpar-calibrate`` from one 3x3 convolution's
+    forward and backward on two sizes (64 and 1,024 rows); 0: none."""
     ranks_per_node: int = 1
     """Ranks placed on one node (rank r sits on node r // ranks_per_node)."""
     cores_per_rank: int = 1
@@ -147,7 +154,8 @@ class Profile:
                 raise ProfileError(f"{where}: {k} must be [alpha seconds, beta seconds per "
                                    f"byte], both >= 0, got {v!r}")
             kw[k] = Link(float(v[0]), float(v[1]))
-        optional = ("norm_bytes", "tile_op_s", "dwconv_flops", "pool_rate", "tile_op_bytes")
+        optional = ("norm_bytes", "tile_op_s", "dwconv_flops", "pool_rate", "tile_op_bytes",
+                    "conv_pixels")
         for k in (*rates, *(f for f in optional if f in kw)):
             v = kw[k]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or \

@@ -2,7 +2,8 @@
 sizes, and of the project's own ``Comm`` between ranks.
 
 Compute (each rank's view, one rank measures): 3x3 convolutions forward at three shapes (FLOPs
-counted as torch's FlopCounterMode counts them: a multiply-add is 2), a depthwise one, a linear
+counted as torch's FlopCounterMode counts them: a multiply-add is 2), a call's fixed cost
+(:func:`call_cost`: forward and backward on a small and a larger image), a depthwise one, a linear
 layer, a ReLU over 4 M values (bytes read and written), a training BatchNorm over 8x64x64x64
 values and a ReLU over one value (the fixed cost per op),
 each the median of 5 timeit batches (:class:`Effort` sets how long and how many; the CLI
@@ -37,6 +38,14 @@ CONV_SHAPES = ((1, 64, 64, 128), (1, 128, 128, 64), (1, 32, 32, 256))
 """(batch, in channels, out channels, side) of the timed 3x3 convolutions."""
 GRID_CHANNELS = (16, 32, 64, 128, 256, 512)
 """Channel counts of the convolution rate grid (1x1 and 3x3 each, batch 4 at 32x32)."""
+CALL_CHANNELS = (128, 256)
+"""Channel counts of the 3x3 convolutions that measure a call's fixed cost (``call_cost``)."""
+CALL_SIDES = (8, 32)
+"""... their image sides (one image: 64 and 1,024 rows). The fitted ``p0`` depends on the pair
+(the efficiency does not fall linearly): here, 64 against 1,024 rows gave 35-108 over 64-512
+channels. On ResNet-18 at 128², micro-batches of 1, 2 and 4 images cost 1.5x, 1.35x and
+1.15x a batch of 8's per image (measured, CPU time, one core); p0 = 40 predicts 1.47x, 1.20x
+and 1.07x."""
 SIZES = (8, 1024, 65536, 1 << 20, 4 << 20)
 """Message bytes of the ping-pong and allreduce."""
 
@@ -141,6 +150,7 @@ def compute(min_run_time: float = 0.2, quick: bool = False, batches: int = 5,
     one = randn(1)
     t_op = timed(lambda: torch.relu(one), min_run_time)
     t_pool = timed(lambda: F.max_pool2d(act, 3, 1, 1), min_run_time)  # AmoebaNet's pool
+    calls = call_cost(randn, max(batches, 5), quick, device)
     return {
         "conv_flops": statistics.median(c["flops"] / c["seconds"] for c in convs),
         "matmul_flops": mm_flops / t_mm,
@@ -149,10 +159,50 @@ def compute(min_run_time: float = 0.2, quick: bool = False, batches: int = 5,
         "dwconv_flops": dw_flops / t_dw,
         "pool_rate": act.numel() * 9 / t_pool,
         "conv_grid": grid,
+        "conv_pixels": statistics.median(c["conv_pixels"] for c in calls),
         "op_s": t_op,
         "convs": convs, "matmul_s": t_mm, "relu_s": t_mem, "relu_values": big.numel(),
         "batch_norm_s": t_norm, "batch_norm_shape": list(act.shape), "max_pool_s": t_pool,
+        "calls": calls,
     }
+
+
+def call_cost(randn: Callable[..., torch.Tensor], repeats: int = 5, quick: bool = False,
+              device: torch.device | None = None) -> list[dict[str, Any]]:
+    """A convolution call's fixed cost as rows of work (``Profile.conv_pixels``): per channel
+    count of :data:`CALL_CHANNELS`, a 3x3 convolution's forward and backward on one image of
+    each of ``CALL_SIDES`` (``a`` < ``b`` rows), fitted to ``t = k (rows + p0)``:
+    ``p0 = (q b - a) / (1 - q)`` with ``q = t_a / t_b`` (>= 0). The two sizes alternate
+    ``repeats`` times and ``q`` is the median of each pair's ratio, so a machine that slows
+    down for a while (a shared core) slows both sides of a pair alike."""
+    out = []
+    (ra, rb) = (side * side for side in CALL_SIDES)
+    for c in CALL_CHANNELS:
+        c = c // 8 if quick else c
+        w = randn(c, c, 3, 3).requires_grad_()
+        xs = [randn(1, c, side, side).requires_grad_() for side in CALL_SIDES]
+
+        def step(x: torch.Tensor, calls: int, w: torch.Tensor = w) -> float:
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                F.conv2d(x, w, padding=1).sum().backward()
+            _sync(device)
+            return (time.perf_counter() - t0) / calls
+
+        small = max(1, rb // ra // 4)  # calls of the small image per pair: a similar span
+        step(xs[0], 1), step(xs[1], 1)  # warm-up
+        pairs = [(step(xs[0], small), step(xs[1], 1)) for _ in range(repeats)]
+        q = statistics.median(ta / tb for ta, tb in pairs)
+        out.append({"channels": c, "rows": [ra, rb], "seconds": pairs,
+                    "conv_pixels": fixed_rows(ra, rb, q)})
+    return out
+
+
+def fixed_rows(a: int, b: int, q: float) -> float:
+    """``p0`` of ``t = k (rows + p0)`` from ``q = t(a) / t(b)``, ``a < b`` rows (>= 0; a ratio
+    of 1 or more, the small call as slow as the large one, gives 0: no fit)."""
+    return max((q * b - a) / (1 - q), 0.0) if q < 1 else 0.0
 
 
 def fit(points: list[tuple[float, float]]) -> Link:
@@ -309,7 +359,7 @@ def calibrate(comm: Comm | None, name: str, quick: bool = False,
     took = measured["seconds"] = {"compute": time.perf_counter() - t0}
     measured["compute"] = {k: v for k, v in comp.items()
                            if k in ("convs", "matmul_s", "relu_s", "relu_values", "batch_norm_s",
-                                     "batch_norm_shape", "max_pool_s")}
+                                     "batch_norm_shape", "max_pool_s", "calls")}
     p2p = allreduce = Link(0.0, 0.0)
     tiles: dict[str, Any] = {}
     per_node = 1
@@ -338,6 +388,7 @@ def calibrate(comm: Comm | None, name: str, quick: bool = False,
         matmul_flops=comp["matmul_flops"], mem_bytes=comp["mem_bytes"], op_s=comp["op_s"],
         norm_bytes=comp["norm_bytes"], dwconv_flops=comp["dwconv_flops"],
         pool_rate=comp["pool_rate"], conv_grid=tuple(comp["conv_grid"]),
+        conv_pixels=comp["conv_pixels"],
         tile_op_s=tiles["tile_op_s"] if tiles else 0.0,
         tile_op_bytes=tiles["tile_op_bytes"] if tiles else 0.0,
         p2p_intra=p2p, p2p_inter=p2p, allreduce_intra=allreduce, allreduce_inter=allreduce,

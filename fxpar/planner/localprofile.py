@@ -52,8 +52,9 @@ from fxpar.planner.calibrate import LOCAL, calibrate
 
 NAME = "this machine"
 """The name of a profile measured here (the planner's report shows it)."""
-FORMAT = 1
-"""Bumped when what a cached profile means changes: older files then miss."""
+FORMAT = 2
+"""Bumped when what a cached profile means changes: older files then miss (2: a call's fixed
+cost, ``Profile.conv_pixels``)."""
 
 
 class ProfileCacheWarning(UserWarning):

@@ -18,7 +18,7 @@ from fxpar.perf.costmodel import halo_seconds, node_times, stage_seconds, timing
 from fxpar.perf.profile import Link, Profile, ProfileError
 from fxpar.perf.simulate import Timing, simulate
 from fxpar.planner import calibrate
-from fxpar.planner.calibrate import communication, compute, fit
+from fxpar.planner.calibrate import communication, compute, fit, fixed_rows
 
 
 def _profile(**kw) -> Profile:
@@ -106,6 +106,53 @@ def test_compute_calibration_gives_positive_rates():
     assert 1e6 < rates["conv_flops"] < 1e16 and 1e6 < rates["matmul_flops"] < 1e16
     assert 1e6 < rates["mem_bytes"] < 1e14 and rates["op_s"] > 0
     assert len(rates["convs"]) == 3
+    assert rates["conv_pixels"] >= 0 and len(rates["calls"]) == len(calibrate.CALL_CHANNELS)
+
+
+def test_fixed_rows_inverts_the_call_model():
+    """t = k (rows + p0): the ratio of two calls' times gives p0 back; a small call as slow as
+    a large one (or slower: noise) fits nothing."""
+    for p0 in (0.0, 25.0, 300.0):
+        q = (64 + p0) / (1024 + p0)
+        assert fixed_rows(64, 1024, q) == pytest.approx(p0)
+    assert fixed_rows(64, 1024, 1.0) == 0.0 and fixed_rows(64, 1024, 1.5) == 0.0
+
+
+def test_a_convolution_call_pays_its_fixed_rows_once():
+    """conv_pixels = p0: a call of R output rows costs FLOPs x (R + p0) / R / rate, so the
+    fixed part (share 0) is FLOPs / R x p0 / rate whatever the share, and a tile (share 1/2)
+    pays it in full; without conv_pixels a call is linear in its rows."""
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 64, 2))
+    program = fxpar.compile(model, fxpar.Plan(), torch.empty(2, 8, 8, 8, device="meta"))
+    conv = next(n for n in program.traced.graph.nodes if "conv2d" in str(n.target))
+    flops, rows = 2 * 2 * 64 * 8 * 8 * 9, 2 * 64  # multiply-add = 2; 2 images of 8x8
+    prof = _profile(conv_pixels=50.0)
+    fixed, _ = node_times(conv, prof, 0.0)
+    whole, back = node_times(conv, prof, 1.0)
+    half, _ = node_times(conv, prof, 0.5)
+    assert fixed == pytest.approx(flops / rows * 50 / 1e10)
+    assert whole == pytest.approx(flops * (rows + 50) / rows / 1e10) and back == 2 * whole
+    assert half == pytest.approx(fixed + flops / 2 / 1e10)
+    assert node_times(conv, _profile(), 0.0)[0] == 0.0
+    linear = next(n for n in program.traced.graph.nodes if "linear" in str(n.target))
+    assert node_times(linear, prof, 0.0)[0] == 0.0  # matrix products: not fitted, not charged
+
+
+def test_micro_batches_of_one_image_cost_more_per_image_with_a_call_cost():
+    """The planner's table: ResNet-18 at 64x64, per image, F + B of micro-batches of 1 costs
+    more than one batch of 8 when calls have a fixed cost, and the same without one."""
+    from fxpar.models.zoo import build_model
+    from fxpar.planner.planspace import analyse
+
+    model = build_model("torchvision:resnet18", meta=True, num_classes=10)
+    per_image = {}
+    for p0 in (0.0, 50.0):
+        t = analyse(model, (8, 3, 64, 64), _profile(conv_pixels=p0))
+        sums = t.prefix(None)
+        per_image[p0] = [sum(sums.compute(0, t.size, mb, False, back) for back in (False, True))
+                         / mb for mb in (1, 8)]
+    assert per_image[0.0][0] == pytest.approx(per_image[0.0][1], rel=1e-3)
+    assert per_image[50.0][0] > 1.3 * per_image[50.0][1]
 
 
 def _uniform(f: float, latency: float, step: float) -> Timing:
