@@ -308,18 +308,26 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
         kwargs["num_filters"] = a.num_filters
     model = build_model(a.model, **kwargs).to(dtype)
     t0 = time.perf_counter()
+    if comm is None and failfast.launched():
+        from fxpar.comm.world import world as mpi_world
+
+        comm = mpi_world()  # rank 0 captures the model for every rank (fxpar.frontend.share)
+    if comm is not None and comm.size > 1:
+        # the first collective: a rank that failed on its own before (its data, say) arrives
+        # here from its error path (failfast.agree), and every rank stops with its error
+        failfast.agree(comm, None, counted=False)
     if a.plan == "auto":
         plan = _auto(a, model, shape, comm, plan)
     example = torch.empty(shape, dtype=dtype, device="meta")
     loss_fn = make_loss(a.loss, a.ignore_index, a.class_weights, a.num_classes, dtype)
     try:
-        program = fx_compile(model, plan, example, loss_fn=loss_fn,
+        program = fx_compile(model, plan, example, loss_fn=loss_fn, comm=comm,
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
     except PlanError:
         if a.plan != "auto" or plan.balance is None:
             raise
         plan = dataclasses.replace(plan, balance=None)  # the compiler's own cuts
-        program = fx_compile(model, plan, example, loss_fn=loss_fn,
+        program = fx_compile(model, plan, example, loss_fn=loss_fn, comm=comm,
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
     out = program.output_shape
     if isinstance(source, Synthetic) and out is not None and len(out) == len(shape):
@@ -344,10 +352,6 @@ def _auto(a: argparse.Namespace, model: torch.nn.Module, shape: tuple[int, ...],
     """``--plan auto``: every rank runs the same search (the same answer, on the same profile:
     without --profile, this machine's, which every rank measures together when it is not
     cached: fxpar.cli.auto.profile_of); rank 0 prints it."""
-    if comm is None and failfast.launched():
-        from fxpar.comm.world import world as mpi_world
-
-        comm = mpi_world()
     plan, found = choose(model, shape, comm, a, given)
     if comm is None or comm.rank == 0:
         print(found.report(), flush=True)

@@ -290,11 +290,14 @@ def agreements() -> int:
     return _agreements
 
 
-def agree(comm: Any, fingerprint: dict[str, str] | None, error: str | None = None) -> None:
+def agree(comm: Any, fingerprint: dict[str, str] | None, error: str | None = None,
+          counted: bool = True) -> None:
     """Collective, the first of a rank program: raise :class:`Disagreement` on every rank when
-    any rank reports an ``error`` or the ranks' fingerprints differ."""
+    any rank reports an ``error`` or the ranks' fingerprints differ. ``counted=False``: a
+    meeting before the program exists (fxpar-run's, before rank 0 captures the model for every
+    rank), after which the ranks still move together: :func:`agreements` does not count it."""
     global _agreements
-    _agreements += 1
+    _agreements += int(counted)
     everyone: list[tuple[dict[str, str] | None, str | None]] = \
         comm.allgather_object((fingerprint, error))
     failed = [r for r, (_, e) in enumerate(everyone) if e]

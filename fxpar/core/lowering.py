@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fxpar.core.geometry import Grid
-from fxpar.core.messages import messages
+from fxpar.core.messages import Message, messages
 from fxpar.core.plan import RankMap
 from fxpar.core.roles import chunks_per_copy, stage_groups
 from fxpar.core.schedule import Action, Schedule, ScheduleError, format_grid
@@ -75,6 +75,13 @@ def lower(schedule: Schedule, graph: StageGraph, rank_map: RankMap,
     mbs = chunks_per_copy(plan)
     held = stage_groups(rank_map)
     groups: dict[tuple[int, int, int], tuple[int, ...]] = {}  # each made once, then shared
+    said: dict[tuple[Action, int], list[Message]] = {}  # the same for every data-parallel copy
+
+    def messages_of(a: Action, tile: int) -> list[Message]:
+        if (a, tile) not in said:
+            said[(a, tile)] = messages(a, graph, mbs, grid, spatial_stages, tile)
+        return said[(a, tile)]
+
     out: Lowered = {}
     for r, acts in schedule.items():
         dp = rank_map.dp_index(r)
@@ -85,14 +92,13 @@ def lower(schedule: Schedule, graph: StageGraph, rank_map: RankMap,
         for i, a in enumerate(acts):
             if a.kind in ("F", "B"):  # its inputs (gradients) must have been received
                 recv = a._replace(kind="RECV_" + a.kind)
-                if recv not in posted and messages(recv, graph, mbs, grid, spatial_stages,
-                                                   tiles.get(a.copy, 0)):
+                if recv not in posted and messages_of(recv, tiles.get(a.copy, 0)):
                     _fail(f"rank {r} runs {a} before receiving its inputs ({recv})",
                           schedule, [(r, i)])
             if a.kind in ("SEND_F", "RECV_F", "SEND_B", "RECV_B"):
                 posted.add(a)
                 kind = "send" if a.kind.startswith("SEND") else "recv"
-                for m in messages(a, graph, mbs, grid, spatial_stages, tiles.get(a.copy, 0)):
+                for m in messages_of(a, tiles.get(a.copy, 0)):
                     peer = rank_map.rank_of(dp, a.copy, m.stage, m.tile)
                     ops.append(Op(kind, i, a, peer, m.tag, m.shape))
             elif a.kind in ("F", "B") and plan.group_size(a.stage) > 1:

@@ -389,9 +389,16 @@ class RankMap:
         """(rank, copy, stage) -> the ranks that run that spatial stage of that copy together
         (its tiles; their forward and backward are collective), for every rank's spatial
         roles. Schedules use it: ranks in two groups (GEMS) must meet each in one order."""
-        return {(r, role.copy, role.stage): self.group(self.dp_index(r), role.copy, role.stage)
-                for r in range(self.plan.world_size) for role in self.roles_of(r)
-                if self.plan.group_size(role.stage) > 1}
+        made: dict[tuple[int, int, int], tuple[int, ...]] = {}  # each group once, not per tile
+        out = {}
+        for r in range(self.plan.world_size):
+            for role in self.roles_of(r):
+                if self.plan.group_size(role.stage) > 1:
+                    key = (self.dp_index(r), role.copy, role.stage)
+                    if key not in made:
+                        made[key] = self.group(*key)
+                    out[(r, role.copy, role.stage)] = made[key]
+        return out
 
     def dp_index(self, rank: int) -> int:
         """The data-parallel replica ``rank`` belongs to."""

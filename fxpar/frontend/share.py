@@ -38,6 +38,12 @@ KEPT_META = ("nn_module_stack", "stack_trace")
 source line); fxpar's own keys (``fxpar.*``) are kept too. Fake values (``val``) stay behind:
 nothing after the analysis reads them."""
 
+WAIT_POLL = 0.002
+"""Seconds between tests of the ranks waiting for rank 0's capture (a polled barrier before
+the broadcast): they sleep through the seconds it takes instead of spinning in MPI's busy
+wait, which, with more ranks than cores (several ranks per GPU node, or the demo's 5 ranks on
+2 cores), took the cores from rank 0 while it traced for them."""
+
 
 @dataclass(frozen=True)
 class _Ref:
@@ -296,10 +302,13 @@ def shared_trace(model: nn.Module, example: torch.Tensor | Sequence[int],
                 pack(trace(model, example), model)
             sent: tuple[str, object] = ("graph", (mine, data))
         except Exception as e:  # noqa: BLE001 - every rank raises it, not only this one
+            comm.barrier(poll=WAIT_POLL)
             comm.bcast_object(("error", (type(e), str(e))), root=0)
             raise
+        comm.barrier(poll=WAIT_POLL)
         comm.bcast_object(sent, root=0)
     else:
+        comm.barrier(poll=WAIT_POLL)  # asleep while rank 0 traces
         sent = comm.bcast_object(None, root=0)
     kind, value = sent
     if kind == "error":

@@ -12,7 +12,7 @@ from torch import nn
 
 import fxpar
 from fxpar.frontend.capture import TraceError
-from fxpar.frontend.share import KEPT_META, pack, shared_trace, unpack
+from fxpar.frontend.share import KEPT_META, WAIT_POLL, pack, shared_trace, unpack
 from fxpar.frontend.trace import trace
 
 
@@ -22,12 +22,16 @@ class FakeComm:
     def __init__(self, rank: int, sent: list | None = None) -> None:
         self.rank, self.size = rank, 2
         self.sent = sent if sent is not None else []
+        self.polls: list[float | None] = []
 
     def bcast_object(self, obj: object, root: int = 0) -> object:
         if self.rank == root:
             self.sent.append(obj)
             return obj
         return self.sent.pop(0)
+
+    def barrier(self, poll: float | None = None) -> None:
+        self.polls.append(poll)
 
 
 def _timm(name: str):
@@ -168,6 +172,16 @@ def test_a_failure_to_trace_reaches_every_rank():
     with pytest.raises(TraceError, match="raised on rank 0, which traced the model") as second:
         shared_trace(Broken(), (1, 3, 4, 4), FakeComm(1, sent))
     assert str(first.value) in str(second.value)
+
+
+def test_the_ranks_wait_for_rank_0s_capture_asleep():
+    """A polled barrier before the broadcast, on every rank: MPI's busy wait in the broadcast
+    took the cores from rank 0, tracing, where ranks outnumber cores."""
+    sent: list = []
+    comms = [FakeComm(0, sent), FakeComm(1, sent)]
+    for c in comms:
+        shared_trace(nn.Sequential(nn.Conv2d(3, 4, 3)), (1, 3, 8, 8), c)
+    assert [c.polls for c in comms] == [[WAIT_POLL], [WAIT_POLL]]
 
 
 def test_a_rank_whose_model_differs_is_told():

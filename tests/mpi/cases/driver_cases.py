@@ -10,6 +10,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -20,9 +21,11 @@ from PIL import Image
 from torch import nn
 
 import fxpar
+from fxpar.cli import run as run_cli
 from fxpar.cli.run import main as fxpar_run
 from fxpar.core.geometry import Rect
 from fxpar.data.data import FolderBatches, ImageFolder
+from fxpar.frontend import share
 from fxpar.models.zoo import build_model
 from fxpar.planner.planner import describe
 from fxpar.train.metrics import load_metrics
@@ -191,6 +194,69 @@ def case_cli_trains_image_folder_prints_table_and_writes_metrics():
     # the last stage's rank waits for its inputs: its RECV/F waits are communication
     assert m["ranks"][2]["comm_s"] > 0
     shutil.rmtree(root, ignore_errors=True)  # the other ranks finished with it inside main
+
+
+def case_cli_ranks_take_rank_0s_capture_and_compile_the_same_program():
+    """fxpar-run captures the model on rank 0 only (the others receive it: the most of a
+    compile, not done once per rank); each rank's program is the one it compiles alone."""
+    plan = fxpar.Plan(stages=2, spatial_parts=2, microbatches=2)
+    comm = sub_comm(plan.world_size)
+    if comm is None:
+        return
+    traced: list[object] = []
+    programs: list[fxpar.Program] = []
+    real_trace, real_compile = share.trace, run_cli.fx_compile
+
+    def counted(*args: object, **kwargs: object) -> object:
+        traced.append(args)
+        return real_trace(*args, **kwargs)
+
+    def kept(*args: object, **kwargs: object) -> object:
+        programs.append(real_compile(*args, **kwargs))
+        return programs[-1]
+
+    argv = [f"{HERE}:tiny_net", "--num-classes", "3", "--image-size", str(SIZE),
+            "--batch-size", "4", "--steps", "1", "--dtype", "float64", "--split-size", "2",
+            "--num-spatial-parts", "2", "--parts", "2"]
+    with mock.patch.object(share, "trace", counted), \
+            mock.patch.object(run_cli, "fx_compile", kept), \
+            contextlib.redirect_stdout(io.StringIO()):
+        assert fxpar_run(argv, comm=comm) == 0
+    counts = comm.allgather_object(len(traced))
+    assert counts[0] <= 1 and counts[1:] == [0] * (comm.size - 1), counts  # 0: a cached capture
+    got, = programs
+    example = torch.empty((4, 3, SIZE, SIZE), dtype=torch.float64, device="meta")
+    alone = fxpar.compile(tiny_net().double(), plan, example)  # this process on its own
+    assert got.schedule == alone.schedule and got.graph.transfers == alone.graph.transfers
+    for s in range(plan.stages):
+        assert got.graph.modules[s].code == alone.graph.modules[s].code, s
+    for t in range(2):
+        assert got.spatial.tile(0, t).code == alone.spatial.tile(0, t).code, t
+
+
+def case_cli_a_rank_failing_alone_before_the_capture_stops_every_rank():
+    """Rank 1 fails on its own before compiling (its model, its data): rank 0, about to
+    capture the model for everyone, meets it at the first collective and both stop with its
+    error (exit 2), instead of rank 0 waiting in the capture's broadcast."""
+    comm = sub_comm(2)
+    if comm is None:
+        return
+    argv = [f"{HERE}:tiny_net", "--num-classes", "3", "--image-size", str(SIZE),
+            "--batch-size", "4", "--steps", "1", "--parts", "2"]
+
+    def broken(*args: object, **kwargs: object) -> nn.Module:
+        raise ValueError("rank 1 could not read its weights")
+
+    err = io.StringIO()
+    with contextlib.ExitStack() as stack:
+        if comm.rank == 1:
+            stack.enter_context(mock.patch.object(run_cli, "build_model", broken))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        code = fxpar_run(argv, comm=comm)
+    assert code == 2, (comm.rank, err.getvalue())
+    if comm.rank == 0:
+        assert "on rank 1: rank 1 could not read its weights" in err.getvalue(), err.getvalue()
 
 
 def case_fxpar_run_on_a_saved_program_trains_like_the_compiled_one():
