@@ -16,15 +16,19 @@ from pathlib import Path
 
 from fxpar.testing import mpiexec
 
+RANKS = 5
+ARGS = ["models:amoebanet", "--num-layers", "2", "--num-filters", "32", "--image-size", "256",
+        "--batch-size", "4", "--split-size", "2", "--num-spatial-parts", "4", "--slice-method",
+        "square", "--parts", "2", "--lr", "0.003"]
+"""The demo's fxpar-run arguments, without --steps and --metrics (tools/bench_compile.py times
+its compile)."""
+
 
 def main() -> int:
     metrics = Path(tempfile.gettempdir()) / "fxpar-demo-metrics.json"
-    args = ["models:amoebanet", "--num-layers", "2", "--num-filters", "32",
-            "--image-size", "256", "--batch-size", "4", "--steps", "5",
-            "--split-size", "2", "--num-spatial-parts", "4", "--slice-method", "square",
-            "--parts", "2", "--lr", "0.003", "--metrics", str(metrics)]
-    cmd = [mpiexec(), "-n", "5", sys.executable, "-m", "fxpar.cli.run", *args]
-    print("$ mpiexec -n 5 fxpar-run " + " ".join(args), flush=True)
+    args = [*ARGS, "--steps", "5", "--metrics", str(metrics)]
+    cmd = [mpiexec(), "-n", str(RANKS), sys.executable, "-m", "fxpar.cli.run", *args]
+    print(f"$ mpiexec -n {RANKS} fxpar-run " + " ".join(args), flush=True)
     code = subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if code == 0:
         print(f"timeline: fxpar-inspect --timeline demo.png --from-metrics {metrics}")
