@@ -1,10 +1,16 @@
 """Benchmark section ``memory``: what a spatial rank holds, and how large an image fits.
 
 (b) Memory vs P: one train step of plain eager PyTorch (P=1) and of fxpar with P=2 (1x2 grid)
-    and P=4 (2x2 grid) tiles, ResNet-18 and AmoebaNet-D at 1024x1024, in fresh processes (the
-    one-step worker of ``tools/bench_spatial.py``). Per rank: the bytes saved for backward by
-    the forward pass (``torch.autograd.graph.saved_tensors_hooks``, unique storages, parameters
-    excluded) and the step's peak RSS growth (peak RSS after it minus RSS before it).
+    and P=4 (2x2 grid) tiles, ResNet-18 and AmoebaNet-D at 1024x1024, in fresh processes (this
+    file's worker; an fxpar rank fills only its input window of the batch, as ``fxpar-run
+    --data`` does). Per rank: the bytes saved for backward by the forward pass
+    (``torch.autograd.graph.saved_tensors_hooks``, unique storages, parameters excluded) and
+    the step's peak RSS growth (peak RSS after it minus RSS before it).
+(c) Where the peak goes (ResNet-18, P=1 and P=4): a second launch tracks every live tensor
+    storage through the step (:class:`PeakTracker`, a TorchDispatchMode) and splits the peak
+    RSS growth into gradients, momentum, saved activations, received halo pieces, other live
+    tensors, the op running at the peak, glibc's free heap (mallinfo2), library pages and the
+    rest; and the same step under other glibc malloc settings.
 (d) Largest image: without a GPU, an ESTIMATE from fxpar's memory estimator
     (fxpar/perf/memory.py, what ``fxpar-inspect --memory`` prints) of the largest square image,
     a multiple of 256, whose busiest rank fits a per-rank budget (80 GiB) for P = 1..16 tiles.
@@ -18,13 +24,17 @@ prints the Section JSON.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import resource
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_spatial  # noqa: E402
@@ -35,6 +45,13 @@ MEMORY_AIM = 0.30  # per-rank / one-process, at P=4
 STEP = 256  # image sizes searched: multiples of this
 EST_MODELS = {"resnet50": "", "amoebanet": "18,208"}  # AmoebaNet-D (18, 208): GPipe's
 PARTS = {1: "square", 2: "vertical", 4: "square"}  # P -> slice of the measured runs
+BREAKDOWN_MODEL = "resnet18"
+MALLOC_ENVS = {"MALLOC_MMAP_THRESHOLD_=1 MiB": {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
+               "MALLOC_ARENA_MAX=1": {"MALLOC_ARENA_MAX": "1"}}
+"""glibc settings the breakdown's step also runs under (fxpar sets none): a fixed mmap
+threshold stops glibc raising it (up to 32 MiB) after each freed mmapped block, so freed
+tile-sized tensors go back to the system instead of staying in the heap; one arena instead of
+one per thread."""
 
 
 def add_args(parser: argparse._ActionsContainer) -> None:
@@ -85,6 +102,241 @@ def saved_step(step: Callable[[], float], params: list[Any]) -> dict[str, Any]:
             "peak_growth": max1 * 1024 - before, "rss_before": before, "raised": max1 > max0,
             "param_bytes": sum(p.numel() * p.element_size() for p in params),
             "loss": loss, "step_s": wall}
+
+
+# -- where the peak goes ---------------------------------------------------------------------
+def proc_status() -> dict[str, int]:
+    """VmRSS, VmHWM (peak since the last reset) and the RSS split into anonymous memory, file
+    pages (libraries' code and data) and shared memory (MPI's), in bytes."""
+    keys = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in keys:
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def heap_free() -> int:
+    """Bytes glibc's malloc holds free in its heaps (mallinfo2's fordblks: freed, still
+    resident, reused by later mallocs but not returned to the system); 0 without glibc 2.33."""
+    libc = ctypes.CDLL("libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        return 0
+    libc.mallinfo2.restype = _Mallinfo2
+    return int(libc.mallinfo2().fordblks)
+
+
+def _storage(t: Any) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return st.data_ptr(), st.nbytes()
+
+
+class PeakTracker(TorchDispatchMode):
+    """Every tensor storage an ATen op (or an ``fxpar::`` op) returns during one step, held by
+    weak reference, and what was live when the process's peak RSS last rose.
+
+    At each op: the live storages and the RSS before it; if VmHWM rose while it ran, that op
+    holds the peak so far, and the live storages before it are sorted into parameters,
+    input, gradients (``p.grad``), momentum (the state of the optimizer stepping), received
+    halo pieces (``fxpar::halo_op``'s second output), saved activations (packed by
+    ``saved_tensors_hooks`` outside backward) and other live tensors (activation gradients,
+    op inputs in flight). ``live_peak``: the most tensor bytes live at once (each op's inputs
+    and new outputs), the CPU counterpart of ``torch.cuda.max_memory_allocated``."""
+
+    def __init__(self, params: list[Any], inputs: list[Any]) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[Any, int, int]] = {}  # id(tensor) -> (weakref, ptr, bytes)
+        self.params = params
+        self.optimizers: list[Any] = []  # those that stepped (a pre-step hook adds them)
+        self.inputs = {_storage(t)[0] for t in inputs}
+        self.pieces: set[int] = set()
+        self.saved: dict[int, Any] = {}
+        self.peak: dict[str, Any] = {}
+        self.live_peak = 0
+        for t in [*params, *inputs]:
+            self._add(t)
+        self.hwm = 0  # the peak when the step starts (breakdown_step sets it)
+
+    def _add(self, t: Any) -> None:
+        import torch
+
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            self.refs[id(t)] = (weakref.ref(t), *_storage(t))
+
+    def live(self) -> dict[int, int]:
+        """Live storages now: data pointer -> bytes."""
+        out: dict[int, int] = {}
+        for key, (ref, ptr, n) in list(self.refs.items()):
+            if ref() is None:
+                del self.refs[key]
+            else:
+                out[ptr] = max(out.get(ptr, 0), n)
+        return out
+
+    def pack(self, t: Any) -> Any:
+        """The saved-tensors pack hook: remembers activations saved for backward."""
+        import torch
+
+        if torch._C._current_graph_task_id() == -1 and t.device.type == "cpu":
+            self.saved[_storage(t)[0]] = weakref.ref(t)
+        return t
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        import torch
+
+        before, live, free = proc_status(), self.live(), heap_free()
+        out = func(*args, **(kwargs or {}))
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(o, torch.Tensor) and o.device.type == "cpu"]
+        new = {p: n for p, n in map(_storage, outs) if p not in live}
+        for o in outs:
+            self._add(o)
+        if "fxpar.halo_op" in str(func) and len(outs) > 1:
+            self.pieces.add(_storage(outs[1])[0])
+        self.live_peak = max(self.live_peak, sum(live.values()) + sum(new.values()))
+        hwm = proc_status()["VmHWM"]
+        if hwm > self.hwm:
+            self.hwm = hwm
+            self.peak = {"op": str(func), "status": before, "hwm": hwm, "heap_free": free,
+                         "outputs": sum(new.values()), "live": self.sort(live)}
+        return out
+
+    def sort(self, live: dict[int, int]) -> dict[str, int]:
+        """Live bytes by component (the first that claims a storage)."""
+        owners = [("parameters", {_storage(p)[0] for p in self.params}),
+                  ("input", self.inputs),
+                  ("gradients", {_storage(p.grad)[0] for p in self.params
+                                 if p.grad is not None}),
+                  ("momentum", {_storage(v)[0] for o in self.optimizers
+                                for state in o.state.values() for v in state.values()
+                                if hasattr(v, "untyped_storage")}),
+                  ("received halo pieces", self.pieces),
+                  ("saved activations", {p for p, r in self.saved.items() if r() is not None})]
+        out = dict.fromkeys([name for name, _ in owners] + ["other live tensors"], 0)
+        for ptr, n in live.items():
+            name = next((name for name, ptrs in owners if ptr in ptrs), "other live tensors")
+            out[name] += n
+        return out
+
+
+def breakdown_step(step: Callable[[], float], params: list[Any], x: Any,
+                   input_bytes: int) -> dict[str, Any]:
+    """Run ``step`` once under :class:`PeakTracker`, from a clean start (freed heap returned
+    with malloc_trim, the peak reset), and split its peak RSS growth into components that add
+    up to it (bytes): what was live at the peak op's start, that op's new outputs and
+    workspace (the rest of the RSS it added), glibc's free heap, library pages and shared
+    memory paged in, and the rest (Python objects, autograd nodes, allocator headers)."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    tracker = PeakTracker(params, [x])
+    hook = register_optimizer_step_pre_hook(
+        lambda opt, args, kwargs: tracker.optimizers.append(opt))
+    benchlib.reset_peak_rss()
+    start, free0 = proc_status(), heap_free()
+    tracker.hwm, base = start["VmHWM"], sum(tracker.live().values())
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda t: t), tracker:
+            loss = step()
+    finally:
+        hook.remove()
+    peak = tracker.peak
+    at = peak["status"]
+    live = {k: v for k, v in peak["live"].items() if k not in ("parameters", "input")}
+    parts = {**live, "the op at the peak: new outputs": peak["outputs"],
+             "the op at the peak: workspace": max(0, peak["hwm"] - at["VmRSS"] - peak["outputs"]),
+             "glibc free heap": peak["heap_free"] - free0,
+             "library pages": at["RssFile"] - start["RssFile"],
+             "MPI shared memory": at["RssShmem"] - start["RssShmem"]}
+    growth = proc_status()["VmHWM"] - start["VmRSS"]
+    parts["rest (Python, autograd nodes, native)"] = growth - sum(parts.values())
+    return {"growth": growth, "parts": parts, "peak_op": peak["op"],
+            "held": {"parameters": peak["live"]["parameters"], "input": input_bytes},
+            "live_peak_growth": tracker.live_peak - base, "loss": loss}
+
+
+# -- the worker (one launch) -----------------------------------------------------------------
+def worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="one launch of the memory benchmark")
+    p.add_argument("--worker", required=True, choices=["step", "breakdown"])
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--amoeba", default="2,64")
+    p.add_argument("--image", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--parts", type=int, default=1, help="1: plain eager PyTorch")
+    p.add_argument("--slice", default="square")
+    return p
+
+
+def input_batch(shape: tuple[int, ...], window: Any) -> tuple[Any, Any]:
+    """The benchmark's batch (seed 0: the same values for every P) as a rank reading only
+    ``window`` (a Rect; None: all) holds it: a full-shape ``torch.empty`` with the window
+    filled, one image plane drawn at a time, so the rank never holds the whole batch."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.empty(shape)
+    box = (...,) if window is None else tuple(slice(a, b) for a, b in window.dims)
+    for n in range(shape[0]):
+        for c in range(shape[1]):
+            x[n, c][box] = torch.randn(shape[2:], generator=gen)[box]
+    return x, torch.randint(0, bench_spatial.CLASSES, (shape[0],), generator=gen)
+
+
+def worker(a: argparse.Namespace) -> None:
+    """One train step, its first: ``step`` records saved activations and peak RSS growth,
+    ``breakdown`` where the peak goes. Rank 0 emits one BENCH line with every rank's record."""
+    import math
+
+    import torch
+
+    import fxpar
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = bench_spatial.build(a.model, a.amoeba).train()
+    shape = (a.batch, 3, a.image, a.image)
+    comm, window = None, None
+    if a.parts == 1:
+        x, y = input_batch(shape, None)
+        step, params = bench_spatial.eager_step(model, x, y), list(model.parameters())
+    else:
+        plan = fxpar.Plan(spatial_parts=a.parts, slice=a.slice)
+        rp = fxpar.compile(model, plan, torch.empty(shape, device="meta"),
+                           optimizer=bench_spatial.sgd).local()
+        del model  # the rank keeps only its own parameters
+        comm, params, window = rp.comm, list(rp.parameters()), rp.input_window()
+        x, y = input_batch(shape, window)
+
+        def step() -> float:
+            return rp.train_step(x, y)
+
+    area = math.prod(shape[2:]) if window is None else math.prod(window.shape)
+    rec = saved_step(step, params) if a.worker == "step" else \
+        breakdown_step(step, params, x, shape[0] * shape[1] * area * x.element_size())
+    ranks = [rec] if comm is None else comm.gather_object(rec)
+    if comm is None or comm.rank == 0:
+        benchlib.emit({"ranks": ranks, **ranks[0]})
+
+
+def launch(opts: argparse.Namespace, cfg: dict[str, Any], worker_: str, model: str,
+           parts: int, slice_: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One measured worker launch: ``mpiexec -n parts`` for P > 1, one process for P = 1."""
+    args = ["--worker", worker_, "--model", model, "--amoeba", cfg["amoeba"], "--image",
+            str(cfg["image"]), "--batch", str(cfg["batch"]), "--parts", str(parts), "--slice",
+            slice_]
+    cmd = benchlib.worker_command("bench_memory.py", args, parts if parts > 1 else None)
+    return benchlib.measure(cmd, {**benchlib.thread_env(1), **(env or {})},
+                            retries=opts.retries, max_foreign=opts.max_foreign,
+                            timeout=opts.timeout)
 
 
 # -- the largest image -------------------------------------------------------------------------
@@ -212,10 +464,20 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     measured: dict[str, dict[str, Any]] = {}
     for model in cfg["models"]:
         for parts, slice_ in PARTS.items():
-            system = "eager" if parts == 1 else "sp"
-            rec = bench_spatial.launch(opts, cfg, "step", model, system, parts, slice_)
+            rec = launch(opts, cfg, "step", model, parts, slice_)
             measured[f"{model}/{parts}"] = {"model": model, "parts": parts, "slice": slice_,
                                             **_per_rank_max(rec)}
+    breakdown: dict[str, dict[str, Any]] = {}
+    if BREAKDOWN_MODEL in cfg["models"]:
+        for parts in (1, 4):
+            print(f"memory: breakdown P={parts}", file=sys.stderr, flush=True)
+            rec = launch(opts, cfg, "breakdown", BREAKDOWN_MODEL, parts, PARTS[parts])
+            breakdown[str(parts)] = {**max(rec["ranks"], key=lambda r: r["growth"]),
+                                     "ranks": [r["growth"] for r in rec["ranks"]]}
+            for label, env in MALLOC_ENVS.items():
+                rec = launch(opts, cfg, "step", BREAKDOWN_MODEL, parts, PARTS[parts], env)
+                breakdown[f"{label}/{parts}"] = _per_rank_max(rec)
+    cfg["breakdown"] = breakdown
     est = [row for name in cfg["est_models"]
            for row in estimate_table(name, cfg["est_parts"], cfg["budget"])]
     real = []
@@ -265,11 +527,12 @@ def section(measured: dict[str, dict[str, Any]], est: list[dict[str, Any]],
             why = (f"P=4 keeps {_mib(m4[key])} MiB per rank against a quarter of one "
                    f"process's {_mib(one[key])} MiB = {_mib(ideal)} MiB; the "
                    f"{_mib(m4[key] - ideal)} MiB above it do not shrink with P.")
-            why += (f" Every rank holds the whole input batch ({_mib(img)} MiB: the first "
-                    f"layer's halo op slices the replicated image)." if key == "saved" else
-                    f" Gradients and SGD momentum ({_mib(2 * m4['param_bytes'])} MiB) are "
-                    f"allocated in the first step on every rank whatever P, as are the "
-                    f"halo buffers and tile-sized temporaries.")
+            why += (f" The first layer's halo op keeps the rank's input batch, full-shape "
+                    f"({_mib(img)} MiB of storage, counted whole here) with only its window "
+                    f"filled." if key == "saved" else
+                    _growth_why(cfg.get("breakdown", {})) if model == BREAKDOWN_MODEL else
+                    f" Gradients ({_mib(m4['param_bytes'])} MiB) are allocated on every rank "
+                    f"whatever P, and glibc keeps freed tile-sized blocks in its heap.")
             aims.append({"what": f"{what} per rank at P=4 / one process, {model}",
                          "aim": f"<= {MEMORY_AIM:.2f}x", "measured": f"{r:.3f}x",
                          "met": r <= MEMORY_AIM, "why": None if r <= MEMORY_AIM else why})
@@ -286,7 +549,9 @@ def section(measured: dict[str, dict[str, Any]], est: list[dict[str, Any]],
         f"AmoebaNet-D (num_layers,num_filters = {cfg['amoeba']}), float32, batch "
         f"{cfg['batch']} at {cfg['image']}x{cfg['image']}, SGD with momentum. Each system is a "
         f"fresh process (or `mpiexec -n P`) running ONE train step, its first (launched after a "
-        f"quiet spell): P=1 is plain eager PyTorch, P=2 a 1x2 and P=4 a 2x2 tile grid. Saved "
+        f"quiet spell): P=1 is plain eager PyTorch, P=2 a 1x2 and P=4 a 2x2 tile grid, each "
+        f"rank filling only its input window of a full-shape batch (as `fxpar-run --data` "
+        f"does). Saved "
         f"activations: the bytes of the unique storages (views counted once, by data pointer) "
         f"that `torch.autograd.graph.saved_tensors_hooks` sees packed outside backward during "
         f"the step, parameters excluded; custom autograd Functions' `ctx.save_for_backward` "
@@ -294,7 +559,14 @@ def section(measured: dict[str, dict[str, Any]], est: list[dict[str, Any]],
         f"process's peak RSS after the step (`ru_maxrss`) minus its RSS just before it, i.e. "
         f"what the step added at its peak (activations, gradients, momentum, temporaries; "
         f"'lower bound' where the step did not raise the process's earlier peak). Ratios are "
-        f"the largest rank's value over the P=1 value. **Largest image**: estimated, not "
+        f"the largest rank's value over the P=1 value. **Where the peak goes** (ResNet-18, "
+        f"P=1 and P=4): another launch runs the step under a TorchDispatchMode that holds every "
+        f"tensor storage an op returns by weak reference; at the op during which the peak RSS "
+        f"(VmHWM, reset after `malloc_trim` just before the step) last rose, the storages live "
+        f"when it began are sorted into components, and the rest of the growth into that op's "
+        f"outputs and workspace, glibc's free heap (`mallinfo2`), library and shared-memory "
+        f"pages (/proc/self/status) and what remains; the same step also runs untracked under "
+        f"other glibc malloc settings. **Largest image**: estimated, not "
         f"measured: fxpar's estimator (`fxpar/perf/memory.py`, `fxpar-inspect --memory`: "
         f"parameters, gradients, momentum, saved node outputs split over the tiles plus halos, "
         f"received buffers), plus the rank's input tile, for one image (batch 1) of a "
@@ -311,7 +583,7 @@ def section(measured: dict[str, dict[str, Any]], est: list[dict[str, Any]],
             {"title": f"Largest square image per rank count, {budget:.0f} GiB per rank "
                       f"(estimated, not measured)",
              "columns": ["model", "P", "largest image", "GiB at that size", "source"],
-             "rows": erows}],
+             "rows": erows}, *breakdown_tables(cfg.get("breakdown", {}))],
         "plots": [
             {"file": "memory_vs_p.png", "title": "Per-rank memory / one process",
              "xlabel": "spatial parts P", "ylabel": "ratio to P=1", "kind": "line",
@@ -325,7 +597,65 @@ def section(measured: dict[str, dict[str, Any]], est: list[dict[str, Any]],
     }
 
 
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b else "-"
+
+
+def breakdown_tables(b: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The breakdown launches' tables (none when they did not run): the components of the
+    peak RSS growth at P=1 and P=4, and the growth under other glibc settings and as live
+    tensor bytes."""
+    if "1" not in b or "4" not in b:
+        return []
+    one, four = b["1"], b["4"]
+    rows = [[f"{k} (held before the step)", _mib(one["held"][k]), _mib(four["held"][k]),
+             _ratio(four["held"][k], one["held"][k])] for k in ("parameters", "input")]
+    rows += [[k, _mib(v), _mib(four["parts"][k]), _ratio(four["parts"][k], v)]
+             for k, v in one["parts"].items()]
+    rows.append(["**peak RSS growth (sum)**", _mib(one["growth"]), _mib(four["growth"]),
+                 _ratio(four["growth"], one["growth"])])
+    rows.append(["the op at the peak", one["peak_op"], four["peak_op"], ""])
+    other = [["peak RSS growth, glibc defaults (this launch)", one["growth"], four["growth"]]]
+    other += [[f"peak RSS growth, {label}", b[f"{label}/1"]["growth"],
+               b[f"{label}/4"]["growth"]] for label in MALLOC_ENVS if f"{label}/1" in b]
+    other.append(["live tensor bytes at their peak (the CPU counterpart of "
+                  "`torch.cuda.max_memory_allocated`)", one["live_peak_growth"],
+                  four["live_peak_growth"]])
+    return [
+        {"title": f"Where the peak RSS growth goes, {BREAKDOWN_MODEL}, one train step (MiB; "
+                  f"P=4: its rank with the largest growth; tracked launch)",
+         "columns": ["component", "P=1 MiB", "P=4 MiB", "P=4/P=1"], "rows": rows},
+        {"title": f"Peak growth per rank by other measures, {BREAKDOWN_MODEL} (MiB)",
+         "columns": ["measure", "P=1 MiB", "P=4 MiB", "P=4/P=1"],
+         "rows": [[k, _mib(u), _mib(v), _ratio(v, u)] for k, u, v in other]}]
+
+
+def _growth_why(b: dict[str, dict[str, Any]]) -> str:
+    """What the breakdown launches say holds the P=4 rank's growth above a quarter."""
+    if "1" not in b or "4" not in b:
+        return ""
+    one, four = b["1"]["parts"], b["4"]["parts"]
+    heap, grads = "glibc free heap", "gradients"
+    text = (f" At its peak ({b['4']['peak_op']}) the P=4 rank held {_mib(four[grads])} MiB of "
+            f"gradients (P=1: {_mib(one[grads])}), {_mib(four['saved activations'])} MiB of "
+            f"saved activations (P=1: {_mib(one['saved activations'])}) and "
+            f"{_mib(four[heap])} MiB of freed heap glibc had not returned (P=1: "
+            f"{_mib(one[heap])}; tile-sized blocks fall under glibc's self-raising mmap "
+            f"threshold and stay in the heap, one process's larger blocks are mmapped and "
+            f"returned).")
+    fixed = [label for label in MALLOC_ENVS if "MMAP" in label and f"{label}/4" in b]
+    if fixed:
+        r = b[f"{fixed[0]}/4"]["growth"] / b[f"{fixed[0]}/1"]["growth"]
+        text += f" With {fixed[0]} the same step's ratio is {r:.3f}x"
+    lp = b["4"]["live_peak_growth"] / b["1"]["live_peak_growth"]
+    return text + f"; counted as live tensor bytes (what a GPU's allocator reports) {lp:.3f}x."
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--worker" in argv:
+        worker(worker_parser().parse_args(argv))
+        return 0
     return benchlib.standalone(__doc__.split("\n\n")[0], add_args, run, argv)
 
 

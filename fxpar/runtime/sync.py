@@ -210,10 +210,21 @@ class StageSync:
             self.early += 1
 
     def _launch(self, k: int) -> None:
+        """Start bucket ``k``'s sum. The bucket is a copy: each parameter's gradient becomes
+        its view of the bucket now (the sum lands there, :meth:`grads`), so the step never
+        holds a gradient twice; nothing reads it before the ALLREDUCE action waits."""
         flat = torch.cat([_total(self.slots[j]).reshape(-1) for j in self.buckets[k]])
         assert self.comm is not None
         self.pending.append((flat, self.comm.iallreduce(flat)))
         self.next_bucket += 1
+        offset = 0
+        for j in self.buckets[k]:
+            slot = self.slots[j]
+            n = slot[0].numel()
+            slot[0].grad = flat[offset:offset + n].view_as(slot[0])
+            for p in slot[1:]:  # the other copies get theirs in grads()
+                p.grad = None
+            offset += n
 
     def grads(self) -> None:
         """Sum the gradients of every copy of this stage over the group; all copies get it."""

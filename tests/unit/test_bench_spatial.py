@@ -162,3 +162,29 @@ def test_sections_tables_and_aims(mods):
     assert saved["met"] and saved["measured"] == "0.275x"
     assert not growth["met"] and growth["measured"] == "0.400x" and growth["why"]
     assert sec["tables"][1]["rows"][0][-1] == "estimated, not measured"
+
+
+def test_memory_breakdown_tables(mods):
+    _, bm = mods
+    mib = 2**20
+
+    def launch(parts: dict[str, float], growth: float, live: float) -> dict:
+        return {"parts": {k: v * mib for k, v in parts.items()}, "growth": growth * mib,
+                "peak_op": "aten.op", "held": {"parameters": 40 * mib, "input": 24 * mib},
+                "live_peak_growth": live * mib}
+
+    one = launch({"gradients": 40, "saved activations": 600, "glibc free heap": 300}, 940, 880)
+    four = launch({"gradients": 40, "saved activations": 80, "glibc free heap": 200}, 320, 250)
+    b = {"1": one, "4": four,
+         **{f"{label}/{p}": {"growth": g * mib} for label in bm.MALLOC_ENVS
+            for p, g in (("1", 900), ("4", 270))}}
+    parts, other = bm.breakdown_tables(b)
+    for t in (parts, other):
+        assert all(len(r) == len(t["columns"]) for r in t["rows"])
+    rows = {r[0]: r[1:] for r in parts["rows"]}
+    assert rows["glibc free heap"] == ["300.0", "200.0", "0.667"]
+    assert rows["**peak RSS growth (sum)**"] == ["940.0", "320.0", "0.340"]
+    assert other["rows"][-1][-1] == f"{250 / 880:.3f}"
+    why = bm._growth_why(b)
+    assert "200.0 MiB of freed heap" in why and "0.300x" in why
+    assert bm.breakdown_tables({}) == [] and bm._growth_why({}) == ""
