@@ -11,8 +11,10 @@
     same amount back. Layers that read the model input are not counted: every rank reads its
     window of the image from the data, nothing is exchanged.
 
-``tools/bench_memory.py`` (section ``memory``) reuses this file's one-step worker for memory
-vs P. Run through ``tools/bench.py --only spatial``, or alone:
+``tools/bench_memory.py`` (section ``memory``) launches its own worker and reuses this file's
+models, train step and grid helpers; ``record_steps`` (this file's worker and
+tools/bench_volume.py's) measures a ``--worker step`` launch with ``tools/memtrack.py``'s
+``saved_step``. Run through ``tools/bench.py --only spatial``, or alone:
 ``python tools/bench_spatial.py --quick`` prints the Section JSON.
 """
 
@@ -207,7 +209,7 @@ def record_steps(a: argparse.Namespace, rec: dict[str, Any], step: Callable[[], 
     else ``--warmup`` steps, then ``--steps`` timed ones, halo counters reset in between), added
     to ``rec``, gathered from every rank and emitted by rank 0 (tools/bench_volume.py too)."""
     if a.worker == "step":
-        from bench_memory import saved_step  # lazily: bench_memory imports this module
+        from memtrack import saved_step  # lazily: it imports torch
 
         rec.update(saved_step(step, params))
     else:

@@ -473,7 +473,7 @@ def section(cfg: dict[str, Any], memory: dict[str, Any], compiles: list[dict[str
         f"(1 thread per rank, {cfg['parts']} ranks on this machine's cores), each running ONE "
         f"train step, its first. Saved bytes: unique storages packed by "
         f"`torch.autograd.graph.saved_tensors_hooks` outside backward, parameters excluded "
-        f"(`tools/bench_memory.py`'s `saved_step`; fxpar's halo and BatchNorm autograd "
+        f"(`tools/memtrack.py`'s `saved_step`; fxpar's halo and BatchNorm autograd "
         f"Functions go through the same hooks); the largest rank over the one process, next to "
         f"the ideal 1/{cfg['parts']}. Peak RSS growth: peak RSS after the step minus RSS before. "
         f"**(2) Compile**: {_unet(cfg['compile_model'])} built under `torch.device(\"meta\")`, "
