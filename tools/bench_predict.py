@@ -503,6 +503,7 @@ def section(rounds: list[dict[str, Any]], cfg: dict[str, Any], made: dict[str, A
                   "their rates are low): " + ", ".join(busy) + ".")
     return {
         "name": "predict", "title": TITLE, "method": method,
+        "aims": aims_of(rounds, cfg, summary),
         "tables": [
             {"title": f"Megapixels per second on the {img} image (median and range over "
                       f"rounds)",
@@ -515,11 +516,49 @@ def section(rounds: list[dict[str, Any]], cfg: dict[str, Any], made: dict[str, A
              "columns": ["system", "image", "compared", "max abs logit difference",
                          "pixels whose argmax differs (seams)"],
              "rows": acc}],
-        "plots": [], "aims": [], "notes": notes,
+        "plots": [], "notes": notes,
         "raw": {"config": cfg, "image": made, "exact": exact, "accuracy": accuracy,
                 "logits_run": logits_run, "summary": summary, "rounds": rounds,
                 "total_s": total_s},
     }
+
+
+def aims_of(rounds: list[dict[str, Any]], cfg: dict[str, Any], summary: dict[str, Any]
+            ) -> list[dict[str, Any]]:
+    """Issue 39's aims: fxpar-predict on one process against MONAI's faster mode (per round),
+    against its own compute limit, and SP2 against SP1 (per round)."""
+    fmt, aims = benchlib.fmt_spread, []
+    ranks = cfg["ranks"]
+    one = f"fxpar/{ranks[0]}"
+    if cfg["modes"]:
+        monai = summary[f"monai/{cfg['modes'][0]}"]["overlap"]
+        vs = benchlib.spread([r[one]["mpx_s"] / max(r[f"monai/{m}"]["mpx_s"]
+                                                   for m in cfg["modes"]) for r in rounds])
+        aims.append({
+            "what": f"fxpar-predict SP{ranks[0]} Mpx/s / MONAI sliding_window_inference's "
+                    f"(its faster mode), {cfg['size']}² image",
+            "aim": ">= 1.00x", "measured": fmt(vs, "x"), "met": vs["median"] >= 1.0,
+            "why": None if vs["median"] >= 1.0 else
+            f"MONAI's rate counts no reading or writing (it computes {monai:.2f}x the "
+            f"image's pixels, fxpar {summary[one]['overlap']:.2f}x); fxpar-predict's rate "
+            f"includes reading the compressed TIFF and writing the argmax (the notes)"})
+    share = summary[one]["share_of_bound"]
+    aims.append({
+        "what": f"fxpar-predict SP{ranks[0]} Mpx/s / its compute limit (the forward alone, "
+                f"divided by its overlap)", "aim": ">= 0.85x", "measured": fmt(share, "x"),
+        "met": share["median"] >= 0.85, "why": None if share["median"] >= 0.85 else
+        "the rest is decoding the TIFF, the margins' copies and writing the argmax"})
+    if len(ranks) > 1:
+        two = f"fxpar/{ranks[1]}"
+        sp = benchlib.spread([r[two]["mpx_s"] / r[one]["mpx_s"] for r in rounds])
+        aims.append({
+            "what": f"fxpar-predict SP{ranks[1]} / SP{ranks[0]} Mpx/s", "aim": ">= 1.80x",
+            "measured": fmt(sp, "x"), "met": sp["median"] >= 1.8,
+            "why": None if sp["median"] >= 1.8 else
+            f"SP{ranks[0]} already uses both cores ({cfg['nproc']} threads); SP{ranks[1]} "
+            f"runs {cfg['nproc'] // ranks[1]} thread(s) per rank on the same cores, so it "
+            f"can only win what the threads lose"})
+    return aims
 
 
 def _table_text(t: dict[str, Any]) -> str:
