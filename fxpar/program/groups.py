@@ -15,7 +15,7 @@ from fxpar.core.wire import Order, agreed_order
 from fxpar.program.compiled import CompiledProgram
 from fxpar.runtime.spatial.group import TileGroups
 from fxpar.runtime.spatial.ops import group_key
-from fxpar.runtime.sync import Member, StageSync
+from fxpar.runtime.sync import Member, StageSync, forward_order
 
 GroupKey = tuple[Any, ...]
 """``("stage", s)`` or ``("tiles", copy, stage, dp)``."""
@@ -56,7 +56,8 @@ def stage_syncs(program: CompiledProgram, rank: int, stages: dict[tuple[int, int
             Member(stages[(role.copy, role.stage)], first_chunk(plan, dp, role.copy),
                    chunks_per_copy(plan), counts_stats=role.tile == 0,
                    unread=program.model_keys.unused))
-    return [StageSync(ms, comms.get(("stage", s)), plan.chunks())
+    return [StageSync(ms, comms.get(("stage", s)), plan.chunks(),
+                      forward_order(program.graph.modules[s]))
             for s, ms in sorted(members.items())]
 
 

@@ -4,16 +4,18 @@ A *stage group* is every rank that holds one stage: its tiles, both GEMS copies,
 data-parallel replica (fxpar.core.roles.stage_groups). Gradients are summed over it (each part
 already carries its 1/chunks share of the loss), so every copy applies the same update.
 
-Overlap: parameters are cut into buckets of about ``BUCKET_BYTES`` in reverse order (the order
-backward produces them). A post-accumulate-grad hook counts each parameter's accumulations;
-once every parameter of a bucket has received its last one of the step (one per micro-batch
-of each copy on this rank), the bucket's sum starts (nonblocking allreduce) while backward goes
-on. Buckets start strictly in index order, so every rank issues the same collectives in the
-same order; the ALLREDUCE action waits for them (and starts any that never filled, e.g. with
-unused parameters). The hooks belong to the StageSync (so to its rank program): they count only
-during its own steps (between :meth:`StageSync.reset` and :meth:`StageSync.grads`), so programs
-sharing parameters (compiled from one model) never start each other's sums, and
-:meth:`StageSync.close` removes them.
+Overlap: parameters are cut into buckets of about ``BUCKET_BYTES`` in the reverse of the order
+the stage's forward first reads them (:func:`forward_order`, from the job's stage graph, so
+every rank of the group cuts the same buckets), the order backward produces their gradients. A
+post-accumulate-grad hook counts each parameter's accumulations; once every parameter of a
+bucket has received its last one of the step (one per micro-batch of each copy on this rank),
+the bucket's sum starts (nonblocking allreduce) while backward goes on. Buckets start strictly
+in index order, so every rank issues the same collectives in the same order; the ALLREDUCE
+action waits for them (and starts any that never filled, e.g. with unused parameters). The
+hooks belong to the StageSync (so to its rank program): they count only during its own steps
+(between :meth:`StageSync.reset` and :meth:`StageSync.grads`), so programs sharing parameters
+(compiled from one model) never start each other's sums, and :meth:`StageSync.close` removes
+them.
 
 BatchNorm running statistics: one device would update them once per chunk, in chunk order
 (the reference is gradient accumulation over the chunks). A copy that ran chunks
@@ -145,10 +147,22 @@ def sync_problems(modules: list[nn.Module], stage: str) -> list[str]:
     return out
 
 
+def forward_order(gm: fx.GraphModule) -> list[str]:
+    """The names of the tensors ``gm``'s graph reads (``get_attr``), in the order of their first
+    use (a stage module's registration order is not its forward order)."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    first = {str(n.target): min((index[u] for u in n.users), default=len(index))
+             for n in gm.graph.nodes if n.op == "get_attr"}
+    return sorted(first, key=first.__getitem__)
+
+
 class StageSync:
     """Sums one stage's gradients (and merges its BN statistics) over its stage group."""
 
-    def __init__(self, members: list[Member], comm: Comm | None, chunks: int) -> None:
+    def __init__(self, members: list[Member], comm: Comm | None, chunks: int,
+                 order: list[str] | None = None) -> None:
+        """``order``: parameter names in the order the stage's forward first reads them
+        (:func:`forward_order`; the same on every rank of the group), else the module's."""
         self.members = members
         self.comm = comm
         self.chunks = chunks
@@ -159,6 +173,10 @@ class StageSync:
         # position i: the i-th parameter of every member (the copies have the same layout)
         per_member = [m.parameters() for m in members]
         self.slots = list(zip(*per_member, strict=True))
+        if order and members:
+            at = {n: i for i, n in enumerate(order)}
+            names = {id(p): n for n, p in members[0].module.named_parameters()}
+            self.slots.sort(key=lambda slot: at.get(names.get(id(slot[0]), ""), len(at)))
         self.buckets = self._buckets()
         self.expected = sum(m.count for m in members)  # accumulations per slot per step
         self.seen = [0] * len(self.slots)
@@ -166,6 +184,10 @@ class StageSync:
         self.next_bucket = 0
         self.early = 0
         """Buckets of the last step whose sum started during backward (overlapped)."""
+        self.started_at: list[int] = []
+        """Per bucket of the last step, the gradient accumulations this rank had seen when its
+        sum started (of ``len(slots) x expected``): below the total, backward was still
+        producing gradients, so the sum overlapped it."""
         self.armed = False
         """In a step of this StageSync: its hooks count accumulations."""
         self.hooks: list[RemovableHandle] = []
@@ -198,6 +220,7 @@ class StageSync:
         """Start of a step: nothing accumulated, nothing in flight."""
         self.armed = True
         self.early = 0
+        self.started_at = []
         self.seen = [0] * len(self.slots)
         self.pending = []
         self.next_bucket = 0
@@ -206,6 +229,7 @@ class StageSync:
         self.seen[i] += 1
         while self.next_bucket < len(self.buckets) and all(
                 self.seen[j] >= self.expected for j in self.buckets[self.next_bucket]):
+            self.started_at.append(sum(self.seen))
             self._launch(self.next_bucket)
             self.early += 1
 

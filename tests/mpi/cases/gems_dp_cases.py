@@ -69,6 +69,10 @@ def case_lp_dp_densenet():
     if rp is not None:  # gradient sums started during backward, bucket by bucket
         (sync,) = rp.syncs
         assert sync.early >= max(1, len(sync.buckets) - 1), (sync.early, len(sync.buckets))
+        # ... and the first one while backward was still producing gradients (not all of them
+        # in a burst at its last one: buckets cut in the stage's forward order, reversed)
+        total = len(sync.slots) * sync.expected
+        assert sync.started_at[0] < total // 2, (sync.started_at, total)
 
 
 def case_pp_dp_amoebanet():
