@@ -28,6 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
+import planner_local  # noqa: E402
 from bench_costmodel import MODELS, _build, _data, calibrate  # noqa: E402
 
 TITLE = "Planner: the chosen plan vs hand plans, and search time"
@@ -91,11 +92,21 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     comm = world()
     plans = json.loads(a.plans)
-    x, y = _data(a.model, a.batch, a.image)
+    extra: dict[str, Any] = {}
+    if a.local_auto:  # --plan auto without --profile: this machine's profile, measured now
+        fields, chosen, note = planner_local.choose(comm)
+        plans = {planner_local.CHOSEN: fields, **plans}
+        extra = {"chosen": chosen, "note": note,
+                 "same": _same_plan(fields, planner_local.HAND)}
+        x = torch.randn(a.batch, 3, a.image, a.image, generator=torch.Generator().manual_seed(0))
+        y = torch.randint(0, 10, (a.batch,), generator=torch.Generator().manual_seed(1))
+    else:
+        x, y = _data(a.model, a.batch, a.image)
     out: dict[str, float] = {}
     for name, fields in plans.items():
         torch.manual_seed(0)
-        program = fxpar.compile(_build(a.model), fxpar.Plan(**fields),
+        net = planner_local.build() if a.local_auto else _build(a.model)
+        program = fxpar.compile(net, fxpar.Plan(**fields),
                                 torch.empty(x.shape, device="meta"),
                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))
         rp = program.local(comm)
@@ -110,7 +121,7 @@ def worker(a: argparse.Namespace) -> None:
         out[name] = float(slowest.median())
         comm.barrier()
     if comm.rank == 0:
-        benchlib.emit({"step_s": out})
+        benchlib.emit({"step_s": out, **extra})
 
 
 def search_times(worlds: list[int], quick: bool) -> tuple[list[list[str]], float]:
@@ -201,6 +212,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         for model, rec in rnd.items():
             for name, s in rec["step_s"].items():
                 measured.setdefault((model, name), []).append(s)
+    local = [planner_local.launch(opts, k) for k in range(1 if q else opts.rounds)]
+    local_table, local_aim = planner_local.section_parts(local)
     rows, summary, aims, orders = [], [], [], []
     for model in models:
         names = [n for (m, n) in measured if m == model]
@@ -271,10 +284,12 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             {"title": "Search time of plan_auto (H100 profile, batch 8, 80 GiB per rank)",
              "columns": ["model", "image", "ranks", "plans searched", "plans that fit",
                          "analysis s", "search s", "compile s", "whole s", "chosen plan",
-                         "predicted step s"], "rows": search}],
-        "plots": [], "aims": aims, "notes": "",
+                         "predicted step s"], "rows": search},
+            local_table],
+        "plots": [], "aims": [*aims, local_aim], "notes": "",
         "raw": {"profile": profile.to_json(), "chosen": chosen, "predicted": predicted,
-                "measured": {f"{m}/{n}": v for (m, n), v in measured.items()}},
+                "measured": {f"{m}/{n}": v for (m, n), v in measured.items()},
+                "local": local, "local_median_step_s": planner_local.median_steps(local)},
     }
 
 
@@ -319,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--image", type=int, default=128)
         p.add_argument("--batch", type=int, default=8)
         p.add_argument("--steps", type=int, default=3)
+        p.add_argument("--local-auto", action="store_true",
+                       help="first choose a plan on this machine's profile (planner_local)")
         worker(p.parse_args(argv))
         return 0
     return benchlib.standalone(__doc__.split("\n\n")[0], add_args, run, argv)
