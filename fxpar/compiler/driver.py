@@ -265,7 +265,8 @@ def compile(  # noqa: A001 - the public name the design fixes
                               dtype=next((p.dtype for p in model.parameters()), torch.float32))
     if captures is None and setting("capture_cache"):
         captures = CaptureCache(setting("capture_cache"))
-    gm = shared_trace(model, example, comm, captures)  # shapes are per micro-batch
+    gm = shared_trace(model, example, comm, captures,  # shapes are per micro-batch
+                      plan.to_json())
     gm = run_passes(gm, plan, PASSES, after=after_pass)
     check_coverage(gm, plan)
     check_batch_ops(gm, plan)

@@ -287,15 +287,18 @@ def structure(model: nn.Module) -> tuple[object, ...]:
 
 
 def shared_trace(model: nn.Module, example: torch.Tensor | Sequence[int],
-                 comm: Comm | None, captures: CaptureCache | None = None) -> fx.GraphModule:
+                 comm: Comm | None, captures: CaptureCache | None = None,
+                 plan: dict[str, object] | None = None) -> fx.GraphModule:
     """:func:`trace` on ``comm``'s rank 0, received by its other ranks (each over its own
     ``model``); every rank traces for itself when ``comm`` is None or has one rank.
-    ``captures``: where rank 0 (or the one process) looks the capture up first."""
+    ``captures``: where rank 0 (or the one process) looks the capture up first. ``plan``: the
+    plan's fields, which every rank must agree on too (a rank given another plan is told which
+    fields differ, before its other differences show)."""
     if comm is None or comm.size == 1:
         if captures is None:
             return trace(model, example)
         return unpack(captures.packed(model, example), model)
-    mine = _signature(model, example)
+    mine = (_signature(model, example), plan)
     if comm.rank == 0:
         try:
             data = captures.packed(model, example) if captures is not None else \
@@ -320,10 +323,17 @@ def shared_trace(model: nn.Module, example: torch.Tensor | Sequence[int],
             error = TraceError(message)
         raise error
     theirs, data = value  # type: ignore[misc]
-    if theirs != mine:
-        raise TraceError(f"rank {comm.rank} compiles for input {mine} but rank 0, which traced "
-                         f"the model for every rank, for {theirs}: every rank must compile the "
-                         f"same model for the same example input")
+    if theirs[1] != mine[1] and theirs[1] is not None and mine[1] is not None:
+        differ = ", ".join(f"{k}: {theirs[1].get(k)!r} vs {mine[1].get(k)!r}"
+                           for k in sorted(set(theirs[1]) | set(mine[1]))
+                           if theirs[1].get(k) != mine[1].get(k))
+        raise TraceError(f"rank {comm.rank} compiles another plan than rank 0 ({differ}, rank "
+                         f"0's first): every rank must compile the same plan (give every rank "
+                         f"the same command line)")
+    if theirs[0] != mine[0]:
+        raise TraceError(f"rank {comm.rank} compiles for input {mine[0]} but rank 0, which "
+                         f"traced the model for every rank, for {theirs[0]}: every rank must "
+                         f"compile the same model for the same example input")
     # rank 0 too builds its graph from the bytes: every rank runs the passes on the same graph
     return unpack(data, model)
 

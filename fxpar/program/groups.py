@@ -56,8 +56,11 @@ def stage_syncs(program: CompiledProgram, rank: int, stages: dict[tuple[int, int
             Member(stages[(role.copy, role.stage)], first_chunk(plan, dp, role.copy),
                    chunks_per_copy(plan), counts_stats=role.tile == 0,
                    unread=program.model_keys.unused))
+    # the job's stage module where it has one (a compiled program); a loaded one holds only
+    # this rank's modules, built alike on every rank from the saved graphs
+    job = program.graph.modules
     return [StageSync(ms, comms.get(("stage", s)), plan.chunks(),
-                      forward_order(program.graph.modules[s]))
+                      forward_order(job[s] if job[s] is not None else ms[0].module))
             for s, ms in sorted(members.items())]
 
 
