@@ -200,6 +200,17 @@ def test_a_rank_compiling_for_another_input_is_told():
         shared_trace(nn.Sequential(nn.Conv2d(3, 4, 3)), (1, 3, 8, 8), FakeComm(1, sent))
 
 
+def test_a_rank_given_another_plan_is_told_which_fields_differ():
+    """fxpar-run: rank 0 captures for every rank, so this is where plans first meet; the plan
+    is named before the input shape its micro-batches give."""
+    sent: list = []
+    net = nn.Sequential(nn.Conv2d(3, 4, 3))
+    shared_trace(net, (2, 3, 8, 8), FakeComm(0, sent), plan={"stages": 2, "microbatches": 2})
+    with pytest.raises(TraceError, match=r"rank 1 compiles another plan than rank 0 "
+                                         r"\(microbatches: 2 vs 4, rank 0's first\)"):
+        shared_trace(net, (1, 3, 8, 8), FakeComm(1, sent), plan={"stages": 2, "microbatches": 4})
+
+
 class Gate(nn.Module):
     """A setting the module tree shows only as a plain attribute: it changes the graph."""
 
