@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_planauto  # noqa: E402  (the --local-auto worker mode runs its choose)
 import benchlib  # noqa: E402
-import planner_local  # noqa: E402
 from bench_costmodel import MODELS, _build, _data, calibrate  # noqa: E402
 
 TITLE = "Planner: the chosen plan vs hand plans, and search time"
@@ -94,10 +94,10 @@ def worker(a: argparse.Namespace) -> None:
     plans = json.loads(a.plans)
     extra: dict[str, Any] = {}
     if a.local_auto:  # --plan auto without --profile: this machine's profile, measured now
-        fields, chosen, note = planner_local.choose(comm)
-        plans = {planner_local.CHOSEN: fields, **plans}
+        fields, chosen, note = bench_planauto.choose(comm)
+        plans = {bench_planauto.CHOSEN: fields, **plans}
         extra = {"chosen": chosen, "note": note,
-                 "same": _same_plan(fields, planner_local.HAND)}
+                 "same": _same_plan(fields, bench_planauto.HAND)}
         x = torch.randn(a.batch, 3, a.image, a.image, generator=torch.Generator().manual_seed(0))
         y = torch.randint(0, 10, (a.batch,), generator=torch.Generator().manual_seed(1))
     else:
@@ -105,7 +105,7 @@ def worker(a: argparse.Namespace) -> None:
     out: dict[str, float] = {}
     for name, fields in plans.items():
         torch.manual_seed(0)
-        net = planner_local.build() if a.local_auto else _build(a.model)
+        net = bench_planauto.build() if a.local_auto else _build(a.model)
         program = fxpar.compile(net, fxpar.Plan(**fields),
                                 torch.empty(x.shape, device="meta"),
                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))
@@ -212,8 +212,6 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         for model, rec in rnd.items():
             for name, s in rec["step_s"].items():
                 measured.setdefault((model, name), []).append(s)
-    local = [planner_local.launch(opts, k) for k in range(1 if q else opts.rounds)]
-    local_table, local_aim = planner_local.section_parts(local)
     rows, summary, aims, orders = [], [], [], []
     for model in models:
         names = [n for (m, n) in measured if m == model]
@@ -284,12 +282,10 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             {"title": "Search time of plan_auto (H100 profile, batch 8, 80 GiB per rank)",
              "columns": ["model", "image", "ranks", "plans searched", "plans that fit",
                          "analysis s", "search s", "compile s", "whole s", "chosen plan",
-                         "predicted step s"], "rows": search},
-            local_table],
-        "plots": [], "aims": [*aims, local_aim], "notes": "",
+                         "predicted step s"], "rows": search}],
+        "plots": [], "aims": aims, "notes": "",
         "raw": {"profile": profile.to_json(), "chosen": chosen, "predicted": predicted,
-                "measured": {f"{m}/{n}": v for (m, n), v in measured.items()},
-                "local": local, "local_median_step_s": planner_local.median_steps(local)},
+                "measured": {f"{m}/{n}": v for (m, n), v in measured.items()}},
     }
 
 
@@ -335,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--batch", type=int, default=8)
         p.add_argument("--steps", type=int, default=3)
         p.add_argument("--local-auto", action="store_true",
-                       help="first choose a plan on this machine's profile (planner_local)")
+                       help="first choose a plan on this machine's profile (bench_planauto)")
         worker(p.parse_args(argv))
         return 0
     return benchlib.standalone(__doc__.split("\n\n")[0], add_args, run, argv)

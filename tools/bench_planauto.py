@@ -1,8 +1,9 @@
-"""The planner section's `--plan auto` without `--profile` (issue 39): on 2 ranks, ResNet-18 at
-128² with a batch of 8, what the planner chooses on the profile it measures of this machine
-(``fxpar.planner.localprofile.local_profile``, the CLI's path when no ``--profile`` is given,
-measured afresh in every launch: no cache) against the best of 8 hand plans, all trained in the
-same launch. Used by tools/bench_planner.py (its ``--worker --local-auto`` and ``run``)."""
+"""Benchmark section ``planauto``: `--plan auto` without `--profile` (issue 39). On 2 ranks,
+ResNet-18 at 128² with a batch of 8: what the planner chooses on the profile it measures of this
+machine (``fxpar.planner.localprofile.local_profile``, the CLI's path when no ``--profile`` is
+given, measured afresh in every launch: no cache) against the best of 8 hand plans, all trained
+in the same launch (tools/bench_planner.py's worker, ``--local-auto``). Run through
+``tools/bench.py --only planauto``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
+TITLE = "--plan auto without --profile: the planner on this machine's own profile"
 MODEL = ("torchvision:resnet18", {"num_classes": 10})
 IMAGE, BATCH, AIM = 128, 8, 0.05
 HAND = {  # name -> Plan fields, all on 2 ranks
@@ -59,7 +61,7 @@ def launch(opts: Any, k: int) -> dict[str, Any]:
     plans trained in turn (order rotated by round)."""
     order = dict(benchlib.rotate(list(HAND.items()), k))
     args = ["--worker", "--local-auto", "--model", "resnet18", "--plans", json.dumps(order),
-            "--image", str(IMAGE), "--batch", str(BATCH), "--steps", str(opts.planner_steps)]
+            "--image", str(IMAGE), "--batch", str(BATCH), "--steps", str(opts.planauto_steps)]
     return benchlib.measure(benchlib.worker_command("bench_planner.py", args, 2),
                             benchlib.thread_env(1), retries=opts.retries,
                             max_foreign=opts.max_foreign, timeout=opts.timeout)
@@ -96,3 +98,37 @@ def median_steps(records: list[dict[str, Any]]) -> dict[str, float]:
     """Per plan, the median step over the launches (for the raw data)."""
     names = records[0]["step_s"] if records else {}
     return {n: statistics.median(r["step_s"][n] for r in records) for n in names}
+
+
+def add_args(parser: Any) -> None:
+    parser.add_argument("--planauto-steps", type=int, default=3, help="timed steps per plan")
+
+
+def run(opts: Any) -> dict[str, Any]:
+    rounds = 1 if getattr(opts, "quick", False) else opts.rounds
+    records = []
+    for k in range(rounds):
+        benchlib.progress("planauto", k + 1, rounds, "calibrate, choose, train 9 plans")
+        records.append(launch(opts, k))
+    table, aim = section_parts(records)
+    method = (f"`mpiexec -n 2`, 1 thread per rank, torchvision resnet18 (10 classes), batch "
+              f"{BATCH} at {IMAGE}x{IMAGE}, float32, SGD momentum 0.9. Each of {rounds} "
+              f"launch(es), after a quiet spell: every rank measures this machine's profile "
+              f"together (`local_profile`, the calibration `fxpar-run --plan auto` runs when "
+              f"no --profile is given and nothing is cached; here never cached), "
+              f"`fxpar.plan_auto` chooses on it, then the choice and the 8 hand plans each "
+              f"compile, run 1 warm-up and {opts.planauto_steps} timed steps (the slowest "
+              f"rank's median), in an order rotated per launch. When the choice is one of the "
+              f"hand plans it is still trained as its own entry: the ratio then shows two runs "
+              f"of one plan.")
+    return {"name": "planauto", "title": TITLE, "method": method, "tables": [table],
+            "plots": [], "aims": [aim], "notes": "",
+            "raw": {"launches": records, "median_step_s": median_steps(records)}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return benchlib.standalone(__doc__.split("\n\n")[0], add_args, run, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
