@@ -284,11 +284,8 @@ def section(mem: list[dict[str, Any]], tm: dict[str, Any], opts: argparse.Namesp
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--worker" in argv:
-        worker(worker_parser().parse_args(argv))
-        return 0
-    return benchlib.standalone(__doc__.splitlines()[0], add_args, run, argv, rounds=3)
+    return benchlib.entry(__doc__.splitlines()[0], add_args, run, argv, worker, worker_parser,
+                          rounds=3)
 
 
 if __name__ == "__main__":

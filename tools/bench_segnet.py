@@ -464,11 +464,8 @@ def _shard_why(s: dict[str, Any], shard_times: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--worker" in argv:
-        worker(worker_parser().parse_args(argv))
-        return 0
-    return benchlib.standalone(__doc__.split("\n\n")[0], add_args, run, argv)
+    return benchlib.entry(__doc__.split("\n\n")[0], add_args, run, argv, worker,
+                          worker_parser)
 
 
 if __name__ == "__main__":

@@ -338,6 +338,17 @@ def snapshot(rev: str) -> tuple[Path, str]:
     return folder, short
 
 
+def entry(description: str, add_args: Any, run: Any, argv: Sequence[str] | None,
+          worker: Any, worker_parser: Any, rounds: int = 1) -> int:
+    """A section's ``main``: ``--worker ...`` runs ``worker(worker_parser().parse_args(argv))``
+    (the per-launch process), anything else :func:`standalone`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--worker" in argv:
+        worker(worker_parser().parse_args(argv))
+        return 0
+    return standalone(description, add_args, run, argv, rounds)
+
+
 def standalone(description: str, add_args: Any, run: Any, argv: Sequence[str] | None,
                rounds: int = 1) -> int:
     """``python tools/bench_<name>.py [--quick] ...``: one section alone, its Section JSON on
