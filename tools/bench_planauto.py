@@ -39,21 +39,29 @@ def build(meta: bool = False) -> Any:
     return build_model(spec, meta=meta, **kw)
 
 
+def fields_of(plan: Any) -> dict[str, Any]:
+    """``plan``'s fields that differ from ``Plan()``'s (the JSON a worker's ``--plans`` takes)."""
+    import fxpar
+
+    default = fxpar.Plan().to_json()
+    return {k: v for k, v in plan.to_json().items() if v != default[k]}
+
+
 def choose(comm: Any) -> tuple[dict[str, Any], str, str]:
-    """Every rank: this machine's profile (measured now, not cached) and the planner's plan on
-    it; the plan's non-default fields, its description and the profile's note."""
-    import torch
+    """Every rank: the profile `fxpar-run --plan auto` ranks on without --profile
+    (``fxpar.cli.auto.profile_of``: this machine's, measured now: the launch sets
+    FXPAR_PROFILE_CACHE=off) and the planner's plan on it; the plan's non-default fields, its
+    description and the profile's note."""
+    from types import SimpleNamespace
 
     import fxpar
-    from fxpar.planner.localprofile import local_profile
+    from fxpar.cli.auto import profile_of
     from fxpar.planner.planner import describe
 
-    local = local_profile(comm, torch.device("cpu"), None)
+    profile, note = profile_of(comm, SimpleNamespace(profile=None, device="cpu"))
     found = fxpar.plan_auto(build(meta=True), (BATCH, 3, IMAGE, IMAGE), comm.size, None,
-                            local.profile)
-    default = fxpar.Plan().to_json()
-    fields = {k: v for k, v in found.plan.to_json().items() if v != default[k]}
-    return fields, describe(found.plan), local.note
+                            profile)
+    return fields_of(found.plan), describe(found.plan), note
 
 
 def launch(opts: Any, k: int) -> dict[str, Any]:
@@ -62,9 +70,10 @@ def launch(opts: Any, k: int) -> dict[str, Any]:
     order = dict(benchlib.rotate(list(HAND.items()), k))
     args = ["--worker", "--local-auto", "--model", "resnet18", "--plans", json.dumps(order),
             "--image", str(IMAGE), "--batch", str(BATCH), "--steps", str(opts.planauto_steps)]
-    return benchlib.measure(benchlib.worker_command("bench_planner.py", args, 2),
-                            benchlib.thread_env(1), retries=opts.retries,
-                            max_foreign=opts.max_foreign, timeout=opts.timeout)
+    env = {**benchlib.thread_env(1), "FXPAR_PROFILE_CACHE": "off"}  # a first run's calibration
+    return benchlib.measure(benchlib.worker_command("bench_planner.py", args, 2), env,
+                            retries=opts.retries, max_foreign=opts.max_foreign,
+                            timeout=opts.timeout)
 
 
 def section_parts(records: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:

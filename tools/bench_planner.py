@@ -189,13 +189,11 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     for model in models:
         found = fxpar.plan_auto(_build(model, meta=True), (batch, 3, image, image), 2, None,
                                 profile)
-        fields = {k: v for k, v in found.plan.to_json().items()
-                  if v != fxpar.Plan().to_json()[k]}
+        fields = bench_planauto.fields_of(found.plan)
         chosen[model] = {"name": f"planner: {describe(found.plan)}", "fields": fields}
         predicted[model] = {}
         for e in found.ranked:  # by hand plan name where the plan is one of them
-            name = _same_plan({k: v for k, v in e.plan.to_json().items()
-                               if v != fxpar.Plan().to_json()[k]}, hand) or describe(e.plan)
+            name = _same_plan(bench_planauto.fields_of(e.plan), hand) or describe(e.plan)
             predicted[model].setdefault(name, e.step_s)
     def one(model: str, k: int) -> dict[str, Any]:
         """One launch training every plan of ``model`` in turn (the order rotated by round)."""
