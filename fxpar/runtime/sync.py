@@ -264,16 +264,12 @@ class StageSync:
             return
         while self.next_bucket < len(self.buckets):
             self._launch(self.next_bucket)
-        for k, (flat, req) in enumerate(self.pending):
-            req.wait()
-            offset = 0
+        for k, (_, req) in enumerate(self.pending):
+            req.wait()  # the sum lands in the bucket, whose views the gradients are (_launch)
             for j in self.buckets[k]:
-                n = self.slots[j][0].numel()
-                total = flat[offset:offset + n].view_as(self.slots[j][0])
-                self.slots[j][0].grad = total  # a view of the bucket, not a copy
+                total = self.slots[j][0].grad
                 for p in self.slots[j][1:]:  # other GEMS copies get their own (in-place
                     p.grad = total.clone()   # changes to one must not reach the other)
-                offset += n
         self.pending = []
 
     def _bns(self, m: Member) -> list[tuple[str, RunningStats]]:
