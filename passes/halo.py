@@ -12,8 +12,9 @@ rank fills the padding itself) and runs the convolution with padding 0 on the wi
 
 BatchNorm and group norm become ``TileBatchNorm`` / ``TileGroupNorm`` (global statistics),
 a reduction over H and W ``TileReduce``, an interpolation or reflect padding ``TileInterp``,
-and a node outside the region that reads a tile gets a ``Join`` first. Halo modules are printed
-with their widths per side (``fxpar-inspect``).
+circular padding or a roll of H / W a ``Halo`` whose window wraps around the image (its
+window is the tile's output), and a node outside the region that reads a tile gets a ``Join``
+first. Halo modules are printed with their widths per side (``fxpar-inspect``).
 """
 
 from __future__ import annotations
@@ -30,14 +31,24 @@ from torch import fx
 
 from fxpar.core import meta
 from fxpar.core.fxgraph import graph_module
-from fxpar.core.geometry import Exchange, Grid, Rect, avg_counts, exchange
+from fxpar.core.geometry import (
+    Exchange,
+    Grid,
+    Rect,
+    avg_counts,
+    exchange,
+    unwrap,
+    wrap_pieces,
+)
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.aten_ops import arg
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, Pointwise, Reduce, Window, classify
 from fxpar.frontend.rules.perpixel import SIZED
+from fxpar.frontend.rules.tokens import TokenLayout
 from fxpar.passes.halo_fusion import FUSION_KEY, FusedRegion, GroupInfo, fusion_groups
 from fxpar.passes.spatial_region import SpatialLayout, window_needs
 from fxpar.passes.split_stages import model_output
+from fxpar.passes.tile_tokens import tile_token_node
 from fxpar.runtime.spatial.haloconv import conv_weight_of_transposed
 from fxpar.runtime.spatial.interp import TileInterp
 from fxpar.runtime.spatial.norms import TileGroupNorm
@@ -88,9 +99,11 @@ def _tiled(n: Any) -> bool:
     return lay is not None and lay.tiled
 
 
-def _halo(ctx: _Ctx, before: fx.Node, x: fx.Node, needs: list[Rect], fill: float) -> fx.Node:
-    """Insert a Halo giving this tile ``needs[tile]`` of ``x``."""
-    ex: Exchange = exchange(ctx.grid, _extent(x), needs, ctx.tile, fill)
+def _halo(ctx: _Ctx, before: fx.Node, x: fx.Node, needs: list[Rect], fill: float,
+          wrap: bool = False) -> fx.Node:
+    """Insert a Halo giving this tile ``needs[tile]`` of ``x`` (``wrap``: the needs wrap
+    around the image, fxpar.core.geometry.wrap_pieces)."""
+    ex: Exchange = exchange(ctx.grid, _extent(x), needs, ctx.tile, fill, wrap)
     tag = ctx.tag()
     whole = x in ctx.replicated or not _tiled(x)  # e.g. ASPP's pooled branch, upsampled
     name = ctx.add("halo", Halo(ex, ctx.key, replicated=whole, tag=tag))
@@ -124,7 +137,7 @@ def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
         with g.inserting_before(n):
             new = _fused(ctx, n, op, x, ex, own, in_ext, out_ext)
     else:
-        win = _halo(ctx, n, x, needs, op.fill)
+        win = _halo(ctx, n, x, needs, op.fill, op.rule.wraps)
         with g.inserting_before(n):
             new = _tile_op(ctx, n, op, win, own, need)
     _replace(g, n, new)
@@ -220,10 +233,40 @@ def _conv_transposed_tile(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: 
     return _crop(g, full, own.moved(base))
 
 
+def _wrap_tile(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect,
+               need: Rect) -> fx.Node:
+    """Circular padding or torch.roll: the wrapped window is the tile's output; a roll's
+    shifts of the batch or channel dims (attr ``roll``) are done on it."""
+    other = op.attr("roll") or ()
+    if not other:
+        return win
+    dims, shifts = zip(*other, strict=True)
+    return ctx.gm.graph.call_function(aten.roll.default, (win, list(shifts), list(dims)))
+
+
+def _unshuffle_tile(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect,
+                    need: Rect) -> fx.Node:
+    """pixel_unshuffle by r: the window [r o0, r o1) of each dim gives exactly the tile's
+    output rows [o0, o1), wherever the input's tiles end."""
+    return ctx.gm.graph.call_function(aten.pixel_unshuffle.default, (win, op.k[0]))
+
+
+def _shuffle_tile(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect,
+                  need: Rect) -> fx.Node:
+    """pixel_shuffle by r of the window (input rows [a, b): output rows [r a, r b)), cropped
+    to this tile's output rows, which need not start or end at a multiple of r."""
+    g, r = ctx.gm.graph, op.k[0]
+    full = g.call_function(aten.pixel_shuffle.default, (win, r))
+    return _crop(g, full, own.moved(tuple(a * r for a, _ in need.dims)))
+
+
 TILE_OPS: dict[str, Callable[[_Ctx, fx.Node, Window, fx.Node, Rect, Rect], fx.Node]] = {
     "pad": _pad_tile,
     "interp": _interp_tile,
     "convT": _conv_transposed_tile,
+    "wrap": _wrap_tile,
+    "unshuffle": _unshuffle_tile,
+    "shuffle": _shuffle_tile,
 }
 """The tile op of each window kind that runs on an assembled window (the kinds of
 fxpar.frontend.rules.opkind.WINDOW_KINDS without ``halo_op``): (context, node, op, window
@@ -242,6 +285,17 @@ def _as_tile(ctx: _Ctx, n: fx.Node, a: Any) -> Any:
         needs = [ctx.grid.tile_rect(ext, u) for u in range(ctx.grid.size)]
         return _halo(ctx, n, a, needs, 0.0)  # whole on every rank: slice my tile
     return a  # broadcast (e.g. a squeeze-excite scale of shape N x C x 1 x 1)
+
+
+def _whole_inputs(ctx: _Ctx, n: fx.Node) -> None:
+    """A token-layout node reading the whole input image (every rank holds it): my tile."""
+    for a in n.all_input_nodes:
+        info = meta.find(a, TensorInfo)
+        if a in ctx.replicated and info is not None and len(info.shapes) == 1 and \
+                len(info.shape) == ctx.grid.ndim + 2:
+            ext = _extent(a)
+            needs = [ctx.grid.tile_rect(ext, u) for u in range(ctx.grid.size)]
+            n.replace_input_with(a, _halo(ctx, n, a, needs, 0.0))
 
 
 def _island_entry(ctx: _Ctx, n: fx.Node) -> None:
@@ -317,6 +371,11 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
     for n in list(gm.graph.nodes):
         if n.op in ("placeholder", "get_attr", "output") or n.target is model_output:
             continue  # the model's output leaves as it is: tiles for a loss on tiles
+        info = meta.find(n, TokenLayout)
+        if info is not None:  # in a token layout (fxpar.passes.tile_tokens)
+            _whole_inputs(ctx, n)
+            tile_token_node(gm, n, info, grid, tile, key, ctx.add, ctx.tag)
+            continue
         if _tiled(n):
             _island_entry(ctx, n)
             op = classify(gm, n)
@@ -342,7 +401,7 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
             x = n.args[0]
             own = grid.tile_rect(_extent(x), tile)
             name = ctx.add("reduce", TileReduce(op.kind, key, _extent(x), own.dims,
-                                                op.keepdim, op.out))
+                                                op.keepdim, op.out, op.ord))
             with gm.graph.inserting_before(n):
                 new = gm.graph.call_module(name, (x,))
             _replace(gm.graph, n, new)
@@ -404,7 +463,11 @@ def _reads(gm: fx.GraphModule, grid: Grid, n: fx.Node, x: fx.Node) -> list[Rect 
         args[0] = None
     op = classify(gm, n)
     if isinstance(op, Window) and args and args[0] is x:
-        windows.append(window_needs(grid, n, op))
+        needs = window_needs(grid, n, op)
+        if op.rule.wraps:  # the image cells a wrapping window's pieces stand for
+            ext = _extent(x)
+            needs = [bounding([unwrap(p, ext) for p in wrap_pieces(r, ext)]) for r in needs]
+        windows.append(needs)
         args[0] = None
     elif isinstance(op, Pointwise) and _mentions(args, x) and _sliced(n, x):
         windows.append(tiles)

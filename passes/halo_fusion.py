@@ -31,7 +31,10 @@ the border's FLOPs from torch's FlopCounter and its bytes, forward and backward)
 exchange can need *more* messages than the ops it replaces (a strided op that reads nothing
 from one neighbour unfused reads from it through the chain before it), which the model sees;
 ``"all"`` fuses every chain it legally can (tests and studies); ``"off"`` none. A border never
-reaches past the neighbouring tile.
+reaches past the neighbouring tile. Only ``HaloOp`` kinds form groups: an op that wraps around
+the image (circular padding, torch.roll) is not one (fxpar.frontend.rules.opkind.WindowKind
+``wraps``), so it ends a chain; its window, read mod the extent, has no border region to
+compute again.
 """
 
 from __future__ import annotations

@@ -27,9 +27,12 @@ from fxpar.core.geometry import Grid, Rect
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.plan import Plan, PlanError
 from fxpar.frontend.capture import where
+from fxpar.frontend.rules import tokens
+from fxpar.frontend.rules.dims import NoRule
 from fxpar.frontend.rules.islands import find_islands
 from fxpar.frontend.rules.opclass import Pointwise, Reduce, Window, classify, why_not
 from fxpar.frontend.rules.perpixel import RULES as PER_PIXEL
+from fxpar.frontend.rules.tokens import TokenLayout
 
 
 @dataclass(frozen=True)
@@ -100,18 +103,41 @@ def _inputs(n: fx.Node) -> list[fx.Node]:
 
 
 def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """Annotate every node with its SpatialLayout (no-op for plans without spatial parts)."""
+    """Annotate every node with its SpatialLayout (no-op for plans without spatial parts).
+
+    Blocks in a token layout (fxpar.frontend.rules.tokens) are all or nothing: when an op
+    cannot run on tiles with a token-layout operand, the blocks that operand came from end the
+    region where they started, and the walk starts again without them."""
     if not plan.spatial:
         return gm
     grid = Grid(*plan.tile_grid(spatial_dims(gm)))
     gm.meta[GRID_KEY] = grid
-    tiled: set[fx.Node] = set()
     islands = find_islands(gm)
+    forbidden: set[fx.Node] = set()
+    while poisoned := _walk(gm, grid, islands, forbidden):
+        forbidden |= poisoned
+    if not any(n.op != "placeholder" and meta.get(n, SpatialLayout).tiled
+               for n in gm.graph.nodes):
+        raise PlanError(_nothing_tiled(gm, plan, grid))
+    gm.meta[Coverage.KEY] = coverage(gm, grid)
+    return gm
+
+
+def _walk(gm: fx.GraphModule, grid: Grid, islands: dict[fx.Node, str],
+          forbidden: set[fx.Node]) -> set[fx.Node]:
+    """One walk over the graph in order, growing the region forward from the image inputs;
+    the token blocks that must not start (their first nodes) if some op of theirs cannot run
+    on tiles, else nothing."""
+    tiled: set[fx.Node] = set()
+    st = tokens.State(grid.parts)
+    blocks: dict[fx.Node, frozenset[fx.Node]] = {}  # token-layout value -> its blocks' starts
     for n in gm.graph.nodes:
+        n.meta.pop(TokenLayout.KEY, None)
         if n.op == "placeholder":
             ext = _extent(n)
             if ext is not None and grid.fits(ext):
                 tiled.add(n)
+                st.layouts[n] = _image(n, grid)
                 meta.put(n, SpatialLayout(True))
             elif ext is not None:
                 meta.put(n, SpatialLayout(False, f"the {_size(ext)} input {n.name!r} is "
@@ -119,8 +145,21 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
             else:
                 meta.put(n, SpatialLayout(False))
             continue
+        starts = frozenset().union(*(blocks[a] for a in n.all_input_nodes if a in blocks))
+        if n.op == "output" and starts:
+            return set(starts)  # the model returns a token-layout value: not handled
         if n.op in ("get_attr", "output"):
             meta.put(n, SpatialLayout(False))
+            continue
+        if starts:  # an op on a token-layout value: its rule, or the blocks end
+            try:
+                info = tokens.token_layout(gm, n, st)
+            except NoRule:
+                return set(starts)
+            if not _token_node(n, info, grid, tiled, st):
+                return set(starts)
+            if n in tiled and meta.get(n, SpatialLayout).island:
+                blocks[n] = starts
             continue
         ins = [a for a in _inputs(n) if a in tiled]
         if not ins:
@@ -132,32 +171,82 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if role is not None and (role != "entry" or grid.fits(_extent(ins[0]) or ())):
             tiled.add(n)  # per-pixel ops in another layout: the tile as it is
             meta.put(n, SpatialLayout(True, island=role != "exit"))
+            if role == "exit":
+                st.layouts[n] = _image(n, grid)
             continue
-        op = classify(gm, n)
-        ext = _extent(n)
-        reason = ""
-        if op is None:
-            reason = f"{_describe(gm, n)} cannot run on tiles"
-        elif isinstance(op, Reduce):
-            meta.put(n, SpatialLayout(False))  # a global reduction: the region goes on past it
-            continue
-        elif ext is None:
-            reason = f"{_describe(gm, n)} does not produce an image (or volume) tensor"
-        elif not grid.fits(ext):
-            reason = f"its {_size(ext)} output is smaller than the {grid} tile grid"
-        elif isinstance(op, Pointwise) and any(_extent(a) not in (ext, None) for a in ins):
-            reason = "its tiled inputs have different image sizes"
-        elif isinstance(op, Pointwise):
-            reason = _whole_operand(n, tiled, grid, ext)
+        reason = _reason(gm, n, ins, tiled, grid)
+        if reason is None:
+            continue  # a global reduction: the region goes on past it
+        if reason and n not in forbidden and n.op == "call_function":
+            try:  # a block in a token layout may start here
+                info = tokens.token_layout(gm, n, st)
+            except NoRule:
+                info = None
+            if info is not None and _token_node(n, info, grid, tiled, st):
+                if n in tiled and meta.get(n, SpatialLayout).island:
+                    blocks[n] = frozenset({n})
+                continue
         if reason:
             meta.put(n, SpatialLayout(False, f"region ends at {n.name!r}: {reason}"))
             continue
         tiled.add(n)
+        st.layouts[n] = _image(n, grid)
         meta.put(n, SpatialLayout(True))
-    if not any(n.op != "placeholder" for n in tiled):
-        raise PlanError(_nothing_tiled(gm, plan, grid))
-    gm.meta[Coverage.KEY] = coverage(gm, grid)
-    return gm
+    return set()
+
+
+def _reason(gm: fx.GraphModule, n: fx.Node, ins: list[fx.Node], tiled: set[fx.Node],
+            grid: Grid) -> str | None:
+    """Why ``n`` (reading tiles ``ins``) cannot run on tiles in the image layout ('' if it
+    can; None for a reduction over the whole image, which the region goes on past)."""
+    op = classify(gm, n)
+    ext = _extent(n)
+    if op is None:
+        return f"{_describe(gm, n)} cannot run on tiles"
+    if isinstance(op, Reduce):
+        meta.put(n, SpatialLayout(False))
+        return None
+    if ext is None:
+        return f"{_describe(gm, n)} does not produce an image (or volume) tensor"
+    if not grid.fits(ext):
+        return f"its {_size(ext)} output is smaller than the {grid} tile grid"
+    if isinstance(op, Pointwise) and any(_extent(a) not in (ext, None) for a in ins):
+        return "its tiled inputs have different image sizes"
+    if isinstance(op, Pointwise):
+        return _whole_operand(n, tiled, grid, ext)
+    return ""
+
+
+def _image(n: fx.Node, grid: Grid) -> Any:
+    """The token layout of an (N, C, H, W) tile value (of each output of a channel split)."""
+    shapes = meta.get(n, TensorInfo).shapes
+    lays = [tokens.image_layout(tuple(s), grid.ndim) for s in shapes]
+    return lays[0] if len(lays) == 1 else tokens.Multi(lays)
+
+
+def _token_node(n: fx.Node, info: TokenLayout, grid: Grid, tiled: set[fx.Node],
+                st: tokens.State) -> bool:
+    """Record how ``n`` runs in a token layout: a replicated value, a token-layout value, or
+    the image layout again (the block's end); False if its output cannot be a tile."""
+    meta.put(n, info)
+    lay = info.layout
+    if lay is None:
+        meta.put(n, SpatialLayout(False))  # replicated (a reduction): the region goes on
+        return True
+    shapes = meta.get(n, TensorInfo).shapes
+    if not isinstance(lay, tokens.Multi) and len(shapes) == 1 and \
+            tokens.is_image(lay, tuple(shapes[0]), grid.ndim):
+        ext = _extent(n)
+        if ext is None or not grid.fits(ext):
+            return False
+        tiled.add(n)
+        st.layouts[n] = lay
+        meta.put(n, SpatialLayout(True))
+        return True
+    tiled.add(n)
+    st.layouts[n] = lay
+    meta.put(n, SpatialLayout(True, island=True))
+    return True
 
 
 @dataclass(frozen=True)

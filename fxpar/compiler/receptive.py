@@ -7,6 +7,8 @@ each crop's middle (its *region*). The kept output is exactly the whole-image ou
    pooling, transposed convolution, interpolation, padding; BatchNorm and dropout in eval mode
    are pointwise): a global mean, a GroupNorm / InstanceNorm over the whole image or a
    flatten make each output cell depend on every input cell, and no crop can reproduce that;
+   circular padding and torch.roll over H / W (window kinds that wrap) read the opposite
+   border: no finite box around an output cell holds what it reads;
 2. the crop holds every input cell the region's outputs read, through every layer (the
    *margins*: :func:`reach` walks the graph backwards from an output box with each windowed
    op's own index map, the same arithmetic as the halo pass), except where the crop meets the
@@ -169,6 +171,12 @@ def needs(gm: fx.GraphModule, box: Rect) -> Rect:
                     _merge(need, a, r)
                 elif a.op != "get_attr":
                     raise _not_local(gm, n, None)
+        elif isinstance(op, Window) and op.rule.wraps:
+            raise ReachError(f"{n.target}{_where(n)} reads rows wrapped around from the "
+                             f"opposite border (circular padding, torch.roll): cells at one "
+                             f"border depend on cells at the other, so a crop has no finite "
+                             f"box of input cells that reproduces it; run the whole image as "
+                             f"one region (--region at least the image size)")
         elif isinstance(op, Window):
             src = n.args[0]
             assert isinstance(src, fx.Node)

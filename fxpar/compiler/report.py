@@ -8,7 +8,7 @@ import torch
 from torch import fx, nn
 
 from fxpar.core import meta
-from fxpar.core.geometry import Rect, piece_kinds
+from fxpar.core.geometry import piece_kinds
 from fxpar.core.meta import NodeCost, TensorInfo, module_path
 from fxpar.core.stages import StageGraph
 from fxpar.core.units import nbytes, si
@@ -158,9 +158,7 @@ def halo_table(program: Program) -> str:
             ex = h.exchange
             per_cell = _halo_cell_bytes(module, h)
             got += ex.recv_elements() * per_cell
-            inside = ex.need.intersect(Rect.whole(ex.extent))
-            own = inside.intersect(ex.own) if inside is not None else None
-            need += (_area(inside) - _area(own)) * per_cell
+            need += ex.foreign_elements() * per_cell
             widest = tuple(max(a, b) for a, b in zip(widest or ex.halo_widths(),
                                                       ex.halo_widths(), strict=True))
             for kind, (count, _cells) in ex.pieces_by_kind().items():
@@ -211,10 +209,6 @@ def _input_extent(gm: fx.GraphModule) -> tuple[int, ...] | None:
     if info is None or len(info.shapes) != 1 or len(info.shapes[0]) not in (4, 5):
         return None
     return tuple(info.shapes[0][2:])
-
-
-def _area(r: Rect | None) -> int:
-    return 0 if r is None else r.size
 
 
 def _halo_cell_bytes(module: fx.GraphModule, halo: Halo) -> int:

@@ -10,11 +10,16 @@ code serves both); no tensors, no MPI. DESIGN.md, "Spatial parallelism: the arit
   padding, filled with the op's pad value by the rank itself;
 - a rank's window is assembled from the intersections with every rank's tile: those are the
   messages, computed here once, so halos may reach past the immediate neighbour; on a grid
-  split along several dims they include the edge and corner pieces from diagonal tiles.
+  split along several dims they include the edge and corner pieces from diagonal tiles;
+- a *wrapping* window (circular padding, ``torch.roll``) reads row ``r`` outside [0, extent)
+  as row ``r mod extent``: it is cut into pieces that each lie in one copy of the image
+  (:func:`wrap_pieces`), and each piece is exchanged like a halo, so a border tile gets the
+  opposite border's rows (and a roll's tiles each other's) by the same messages.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -189,8 +194,11 @@ class Exchange:
     """What one rank does to turn its tile into ``need``: the messages, computed for all ranks.
 
     own: the region this rank holds; need: the region it must produce (may extend past the
-    image: those cells are filled with ``fill``). sends: (tile, region of own) for every other
-    tile that needs part of this one; recvs: (tile, region of need) this rank gets from others.
+    image: those cells are filled with ``fill``, or with ``wrap`` read from the opposite border).
+    sends: (tile, region of own) for every other tile that needs part of this one; recvs:
+    (tile, region of need) this rank gets from others. A tile may send to (receive from) one
+    peer several pieces: a wrapping window can hold the same image cells twice; both ends list
+    them in the same order (the order of :func:`wrap_pieces`).
     """
 
     own: Rect
@@ -199,11 +207,27 @@ class Exchange:
     sends: tuple[tuple[int, Rect], ...]
     recvs: tuple[tuple[int, Rect], ...]
     fill: float
+    wrap: bool = False
+    """``need``'s cells outside the image are the image's cells ``mod extent`` (circular
+    padding, torch.roll): received or held, never filled."""
 
     @property
     def local(self) -> Rect | None:
-        """The part of ``need`` this rank already holds."""
+        """The part of ``need`` this rank already holds, where it does not wrap (:meth:`held`
+        in general)."""
         return self.own.intersect(self.need)
+
+    def held(self, own: Rect | None = None) -> list[tuple[Rect, Rect]]:
+        """(cells of ``need``, the same cells in the image) that the holder of ``own`` (this
+        rank's tile; the whole image for a replicated tensor) already has: at most one piece
+        without ``wrap``, one per piece of the wrapped window that meets ``own`` with it."""
+        own = self.own if own is None else own
+        out = []
+        for win, img in _pieces(self.need, self.extent, self.wrap):
+            part = own.intersect(img)
+            if part is not None:
+                out.append((_shift(part, img, win), part))
+        return out
 
     def widths(self) -> tuple[tuple[int, int], ...]:
         """Per dim, the cells beyond the own tile (before, after); negative means cells
@@ -219,6 +243,12 @@ class Exchange:
     def recv_elements(self) -> int:
         """Cells received (per sample and channel)."""
         return sum(r.size for _, r in self.recvs)
+
+    def foreign_elements(self) -> int:
+        """Cells of ``need`` that other tiles hold (not padding, not this tile's): the least
+        any exchange must bring (:meth:`recv_elements` when nothing is received twice)."""
+        pieces = _pieces(self.need, self.extent, self.wrap)
+        return sum(w.size for w, _ in pieces) - sum(w.size for w, _ in self.held())
 
     def pieces_by_kind(self) -> dict[str, tuple[int, int]]:
         """The received pieces by how they touch the own tile, (pieces, cells) of each: on a
@@ -241,23 +271,60 @@ def piece_kinds(ndim: int) -> tuple[str, ...]:
     return ("side", "corner") if ndim == 2 else ("face", "edge", "corner")[:max(ndim, 1)]
 
 
+def wrap_pieces(need: Rect, extent: tuple[int, ...]) -> list[Rect]:
+    """``need`` cut at every multiple of ``extent`` along each dim, so each piece lies in one
+    copy of the image (row-major order: the last dim varies fastest). A window of a circular
+    padding by (2, 1) of 5 rows, rows -2:7, is rows -2:0, 0:5 and 5:7: image rows 3:5, 0:5
+    and 0:2 (:func:`unwrap`)."""
+    cuts = []
+    for (a, b), e in zip(need.dims, extent, strict=True):
+        cuts.append([(max(a, k * e), min(b, (k + 1) * e))
+                     for k in range(a // e, (b - 1) // e + 1)] if b > a else [])
+    return [Rect(*dims) for dims in itertools.product(*cuts)]
+
+
+def unwrap(piece: Rect, extent: tuple[int, ...]) -> Rect:
+    """The image cells a piece of :func:`wrap_pieces` stands for (each dim moved by whole
+    extents into [0, extent))."""
+    return Rect(*((a - a // e * e, b - a // e * e)
+                  for (a, b), e in zip(piece.dims, extent, strict=True)))
+
+
+def _pieces(need: Rect, extent: tuple[int, ...], wrap: bool) -> list[tuple[Rect, Rect]]:
+    """(cells of ``need``, the same cells in the image) for every part of ``need`` that reads
+    the image: its pieces when it wraps, else the one part inside the image (if any)."""
+    if wrap:
+        return [(p, unwrap(p, extent)) for p in wrap_pieces(need, extent)]
+    inside = need.intersect(Rect.whole(extent))
+    return [] if inside is None else [(inside, inside)]
+
+
+def _shift(part: Rect, img: Rect, win: Rect) -> Rect:
+    """``part`` (inside image piece ``img``) where it sits in window piece ``win``."""
+    return part.moved(tuple(i[0] - w[0] for i, w in zip(img.dims, win.dims, strict=True)))
+
+
 def exchange(grid: Grid, extent: tuple[int, ...], needs: list[Rect], t: int,
-             fill: float = 0.0) -> Exchange:
-    """The exchange for tile ``t`` when tile ``u`` needs ``needs[u]`` of a tiled tensor."""
-    image = Rect.whole(extent)
+             fill: float = 0.0, wrap: bool = False) -> Exchange:
+    """The exchange for tile ``t`` when tile ``u`` needs ``needs[u]`` of a tiled tensor;
+    ``wrap``: the needs wrap around the image (:func:`wrap_pieces`), else cells outside it are
+    padding. Messages between two tiles come in the order of the receiver's pieces."""
     own = grid.tile_rect(extent, t)
-    inside = needs[t].intersect(image)
+    mine = _pieces(needs[t], extent, wrap)
     sends, recvs = [], []
     for u in range(grid.size):
         if u == t:
             continue
-        part = own.intersect(needs[u])
-        if part is not None:
-            sends.append((u, part))
-        theirs = grid.tile_rect(extent, u).intersect(inside) if inside is not None else None
-        if theirs is not None:
-            recvs.append((u, theirs))
-    return Exchange(own, needs[t], tuple(extent), tuple(sends), tuple(recvs), fill)
+        for _, img in _pieces(needs[u], extent, wrap):
+            part = own.intersect(img)
+            if part is not None:
+                sends.append((u, part))
+        theirs = grid.tile_rect(extent, u)
+        for win, img in mine:
+            part = theirs.intersect(img)
+            if part is not None:
+                recvs.append((u, _shift(part, img, win)))
+    return Exchange(own, needs[t], tuple(extent), tuple(sends), tuple(recvs), fill, wrap)
 
 
 def avg_counts(n: int, n_out: int, k: int, s: int, p: int,

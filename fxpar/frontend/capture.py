@@ -15,6 +15,8 @@ The captured graph is then normalised for fxpar (:func:`normalize`):
   small modules that read the stage module's mode (:class:`BatchNormOp` also owns the
   ``num_batches_tracked += 1`` that export records as a separate ``aten.add_``,
   :class:`DropoutOp`), so ``program.train()`` / ``program.eval()`` work as on the model;
+- a run of views and a permute that is one known op (TResNet's SpaceToDepth:
+  ``pixel_unshuffle`` and a channel reorder) becomes that op (fxpar.frontend.rules.chains);
 - every node keeps ``nn_module_stack`` and ``stack_trace`` for messages (:func:`where`).
 
 Before (export, train mode)::
@@ -48,6 +50,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxpar.core.fxgraph import graph_module, lazy_code
 from fxpar.core.meta import pretty_path
 from fxpar.core.modelkeys import MODEL_KEYS, ModelKeys
+from fxpar.frontend.rules.chains import fuse_chains
 from fxpar.runtime.modules import BatchNormOp, DropoutOp
 
 aten = torch.ops.aten
@@ -203,6 +206,7 @@ def normalize(exported: fx.GraphModule, class_name: str) -> fx.GraphModule:
     graph._codegen = fx.graph.CodeGen()
     gm = graph_module(exported, graph, class_name)
     _mode_ops(gm)
+    fuse_chains(gm)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from torch import fx
 
 from fxpar.core import meta
-from fxpar.core.geometry import Grid, Rect
+from fxpar.core.geometry import Grid, Rect, exchange
 from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.roles import stage_groups
 from fxpar.core.schedule import Action, split_keys
@@ -154,7 +154,9 @@ def halo_messages(gm: fx.GraphModule, n: fx.Node, grid: Grid, tile: int
     received, bytes of the largest, bytes received in all); (0, 0, 0) for a node that
     exchanges nothing. Only the tiles next to ``tile`` (along each dim and diagonally) are
     looked at, so a grid of 2,048 tiles costs what one of 9 does: a window reaching past a
-    neighbouring tile is not what the planner considers."""
+    neighbouring tile is not what the planner considers. A window that wraps around the image
+    (circular padding, torch.roll) reads from the opposite border: its messages are the
+    exchange's own (fxpar.core.geometry.exchange), over every tile."""
     op = classify(gm, n)
     x = n.args[0]
     if not isinstance(op, Window) or not isinstance(x, fx.Node):
@@ -164,6 +166,12 @@ def halo_messages(gm: fx.GraphModule, n: fx.Node, grid: Grid, tile: int
         return 0, 0, 0  # the model input (whole on every rank: it slices its window)
     info = meta.get(x, TensorInfo)
     extent = tuple(info.shape[2:])
+    if op.rule.wraps:
+        ex = exchange(grid, extent, [window_need(grid, n, op, u) for u in range(grid.size)],
+                      tile, wrap=True)
+        sizes = [r.size for _, r in (*ex.sends, *ex.recvs)]
+        return (len(sizes), max(sizes, default=0) * info.cell_bytes,
+                ex.recv_elements() * info.cell_bytes)
     own = grid.tile_rect(extent, tile)
     inside = window_need(grid, n, op, tile).intersect(Rect.whole(extent))
     sizes, received = [], 0

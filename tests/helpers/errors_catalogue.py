@@ -307,10 +307,10 @@ CATALOGUE: list[Entry] = [
           lambda: build(Plan(spatial_parts=16, slice="vertical"))),
     Entry("spatial-first-op", "spatial", "the very first op on the image cannot run on tiles",
           PlanError, r"the first op on the image must run on tiles",
-          "Change that op as the message says (e.g. zero padding instead of circular, padding "
-          "as numbers instead of 'same'), or set spatial_parts=1.",
+          "Change that op as the message says (e.g. padding as numbers instead of 'same'), or "
+          "set spatial_parts=1.",
           lambda: build(Plan(spatial_parts=2), model=nn.Sequential(
-              nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"), nn.Flatten()))),
+              nn.Conv2d(3, 4, 3, padding="same"), nn.Flatten()))),
     Entry("spatial-mean-first", "spatial", "the image goes straight into a global reduction "
           "(mean, sum, amax over H and W)",
           PlanError, r"a reduction over all of H and W, so there is no per-pixel work",
@@ -331,7 +331,8 @@ CATALOGUE: list[Entry] = [
           "The message names the op that ends the region and where it is in the model's code; "
           "change that op, or accept the plan with strict=False (it then warns).",
           lambda: build(Plan(spatial_parts=2, strict=True), model=nn.Sequential(
-              nn.Conv2d(3, 4, 3, padding=1), nn.PixelShuffle(2), nn.Conv2d(1, 8, 3, padding=1),
+              nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(), nn.Unflatten(1, (1, 16, 16)),
+              nn.Conv2d(1, 8, 3, padding=1),
               nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 16 * 16, 3)))),
     Entry("loss-joined-strict", "spatial", "with Plan(strict=True), a loss on a tiled output "
           "with an op that has no tile rule", PlanError,

@@ -13,6 +13,7 @@ from torch import nn
 
 import fxpar
 from fxpar import models
+from fxpar.core import meta
 from fxpar.core.geometry import (
     Grid,
     Rect,
@@ -24,6 +25,7 @@ from fxpar.core.geometry import (
     window_rows,
 )
 from fxpar.frontend.rules.opclass import Reduce, classify
+from fxpar.frontend.rules.tokens import TokenLayout
 from fxpar.frontend.trace import trace
 from fxpar.passes.spatial_region import Coverage, region_ends, spatial_region
 
@@ -141,7 +143,10 @@ def test_halo_reaches_past_the_immediate_neighbour():
 
 
 def test_region_ends_at_an_op_that_cannot_be_tiled_and_says_which():
-    gm = trace(nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveMaxPool2d(3)), (1, 3, 64, 64))
+    """Adaptive max pooling whose indices the model returns (its values alone run on tiles,
+    tests/unit/test_ops40.py)."""
+    gm = trace(nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveMaxPool2d(3, return_indices=True)),
+               (1, 3, 64, 64))
     spatial_region(gm, fxpar.Plan(spatial_parts=4))
     assert len(region_ends(gm)) == 1 and re.fullmatch(
         r"region ends at 'adaptive_max_pool2d': aten.adaptive_max_pool2d \(module '1' "
@@ -175,28 +180,33 @@ class _PositionBias(nn.Module):
         return self.head(self.conv(x) + self.bias)
 
 
-@pytest.mark.parametrize("bias, slice_, ends", [
+@pytest.mark.parametrize("bias, slice_, cut", [
     ((1, 4, 8, 8), "horizontal", False),   # same extent: each tile slices its part
     ((1, 4, 1, 8), "horizontal", False),   # size 1 along the split H: broadcasts on any tile
     ((1, 4, 8, 1), "vertical", False),     # H is not split by vertical strips
-    ((1, 4, 8, 1), "horizontal", True),    # 8 rows against a 4-row tile: cannot run tiled
-    ((8,), "vertical", True),              # broadcasts along W, which is split
+    # 8 rows against a 4-row tile, a map along the split W: each tile takes its cells of it
+    # (fxpar.frontend.rules.tokens: a whole operand cut to the tile; tests/mpi/cases/
+    # tokens_cases.py trains it)
+    ((1, 4, 8, 1), "horizontal", True),
+    ((8,), "vertical", True),
 ])
-def test_region_ends_at_a_whole_operand_that_varies_along_a_split_dim(bias, slice_, ends):
+def test_a_whole_operand_that_varies_along_a_split_dim_is_cut_to_the_tile(bias, slice_, cut):
     gm = trace(_PositionBias(bias), (2, 3, 8, 8))
     spatial_region(gm, fxpar.Plan(spatial_parts=2, slice=slice_))
-    want = [f"region ends at 'add': its operand 'bias' of shape {bias} is not tiled and varies "
-            f"along a split dim (only same-size or size-1 spatial operands are)"]
-    assert region_ends(gm) == (want if ends else [])
+    assert region_ends(gm) == []
+    add = next(n for n in gm.graph.nodes if n.name == "add")
+    record = meta.find(add, TokenLayout)
+    assert (record is not None and record.sliced == (1,)) == cut
 
 
 def test_region_end_errors_say_why_the_op_is_not_tiled():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.PixelShuffle(2),
-                          nn.Conv2d(1, 4, 3, padding=1), nn.Flatten())
-    with pytest.raises(fxpar.PlanError, match=r"region ends at 'pixel_shuffle': "
-                       r"aten.pixel_shuffle \(module '1' \(PixelShuffle\), "
-                       r"torch/nn/modules/pixelshuffle.py:\d+\) cannot run on tiles: fxpar has "
-                       r"no tiling rule for aten.pixel_shuffle"):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Upsample(scale_factor=2,
+                                                                    mode="bicubic"),
+                          nn.Conv2d(4, 4, 3, padding=1), nn.Flatten())
+    with pytest.raises(fxpar.PlanError, match=r"region ends at 'upsample_bicubic2d': "
+                       r"aten.upsample_bicubic2d \(module '1' \(Upsample\), "
+                       r"torch/nn/modules/upsampling.py:\d+\) cannot run on tiles: fxpar has "
+                       r"no tiling rule for aten.upsample_bicubic2d"):
         fxpar.compile(model, fxpar.Plan(stages=2, spatial_parts=2, spatial_stages=2),
                       (2, 3, 8, 8))
 
@@ -237,18 +247,20 @@ def test_tile_programs_print_their_halos():
 
 def test_coverage_counts_the_flops_on_tiles_and_warns_naming_the_op():
     """Coverage = forward FLOPs of tiled ops / FLOPs of every op the spatial stage runs,
-    computed here by hand: only the first convolution runs on tiles (PixelShuffle has no
-    rule); the rest, the linear head included, runs whole on every rank."""
+    computed here by hand: only the first convolution runs on tiles (the flatten to 256
+    channels, unflattened to 1 x 16 x 16, mixes H and W into the channels); the rest, the
+    linear head included, runs whole on every rank."""
     from fxpar.compiler.driver import CoverageWarning
     from fxpar.passes.spatial_region import Coverage
 
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.PixelShuffle(2),
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(),
+                          nn.Unflatten(1, (1, 16, 16)),
                           nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1),
                           nn.Flatten(), nn.Linear(8 * 16 * 16, 3))
     with pytest.warns(CoverageWarning, match=r"runs only 4% of the spatial stages' forward "
                       r"FLOPs on tiles \(the rest runs whole on every rank of the tile group; "
-                      r"the most: aten\.conv2d .*region ends at 'pixel_shuffle': "
-                      r"aten\.pixel_shuffle"):
+                      r"the most: aten\.conv2d .*region ends at 'flatten': "
+                      r"aten\.flatten \(module '1' \(Flatten\)"):
         program = fxpar.compile(model, fxpar.Plan(spatial_parts=2), (4, 3, 8, 8))
     cov = program.traced.meta[Coverage.KEY]
     first = 2 * 4 * 3 * 9 * (4 * 8 * 8)
@@ -277,6 +289,8 @@ PER_PIXEL_OPS = {  # each works on N and C only: the region goes on (issue 36, i
     "unsqueeze": lambda x: (x.unsqueeze(1) * 2).squeeze(1),
     "reshape_nc": lambda x: torch.relu(x.reshape(-1, 1, *x.shape[2:])).reshape(x.shape),
     "transpose_hw": lambda x: (x.transpose(2, 3) * 2).transpose(2, 3),
+    # H and W flattened and cut back: tokens are pixels (fxpar.frontend.rules.tokens)
+    "flatten_hw": lambda x: x.flatten(2).unsqueeze(-1).reshape(x.shape),
     "select": lambda x: x * x[:, 0].unsqueeze(1),
     "index": lambda x: x[:, [3, 1, 0, 2]],
     "max_dim": lambda x: x - x.max(dim=1)[0].unsqueeze(1) + x.max(dim=1)[1].unsqueeze(1),
@@ -289,7 +303,7 @@ PER_PIXEL_OPS = {  # each works on N and C only: the region goes on (issue 36, i
 NOT_PER_PIXEL = {  # along a split dim: the region must end
     "softmax_w": lambda x: x.softmax(3),
     "cumsum_w": lambda x: x.cumsum(3),
-    "flatten_hw": lambda x: x.flatten(2).unsqueeze(-1).reshape(x.shape),
+    "flatten_hw_reversed": lambda x: x.flatten(2).flip(-1).reshape(x.shape),
     "max_over_w": lambda x: x - x.max(dim=3, keepdim=True)[0],
 }
 

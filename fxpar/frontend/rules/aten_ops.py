@@ -20,6 +20,7 @@ trailing argument left at its default is absent from ``node.args``, so every rea
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from fxpar.core.geometry import per_dim
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.opkind import BatchNorm, Norm, Op, Pointwise, Reduce, Window
 from fxpar.frontend.rules.pointwise import POINTWISE as POINTWISE  # re-exported: islands
+from fxpar.frontend.rules.wrap import roll_window
 from fxpar.runtime.modules import BatchNormOp, DropoutOp
 from fxpar.runtime.spatial.interp import PADS, AxisMap
 
@@ -53,7 +55,8 @@ class OpRule:
 RULES: dict[Any, OpRule] = {}
 """One entry per ATen op (overload packet): :func:`rule` adds them."""
 
-REDUCTIONS = {aten.mean: "mean", aten.sum: "sum", aten.amax: "amax"}
+REDUCTIONS = {aten.mean: "mean", aten.sum: "sum", aten.amax: "amax",
+              aten.linalg_vector_norm: "norm"}
 """Reductions: over H and W of the whole image (replicated result), or over channels only
 with ``keepdim`` (CBAM's spatial attention: per pixel)."""
 
@@ -177,6 +180,24 @@ def _reduce(n: fx.Node) -> Op | None:
     return _reduction(n, REDUCTIONS[n.target.overloadpacket])
 
 
+@rule(aten.linalg_vector_norm,
+      refusal="only vector norms over exactly the spatial dims (H and W, or D, H and W: a "
+              "global response norm) of order 1 or more, or over the batch and channel dims, "
+              "run on tiles")
+def _vector_norm(n: fx.Node) -> Op | None:
+    """``x.norm(p, dim=(2, 3))``: over H and W a :class:`Reduce` "norm" (ConvNeXt-V2's and
+    MedNeXt's global response norm); over the channels per pixel (opclass.classify)."""
+    x, ord = _shape(n.args[0]), arg(n, 1, 2)
+    dims = arg(n, 2, None)
+    if x is None or len(x) not in (4, 5) or dims is None or arg(n, 4, None) is not None or \
+            not isinstance(ord, (int, float)) or not ord >= 1:
+        return None
+    dims = sorted(d % len(x) for d in ([dims] if isinstance(dims, int) else dims))
+    if dims != list(range(2, len(x))):
+        return None
+    return Reduce("norm", bool(arg(n, 3, False)), (1,) * (len(x) - 2), float(ord))
+
+
 @rule(aten.conv2d, aten.conv3d,
       refusal=lambda n: "padding given as a string ('same'): give the padding as numbers"
       if isinstance(arg(n, 4, 0), str) else "fxpar has no tiling rule for this convolution")
@@ -227,11 +248,23 @@ def _avg_pool(n: fx.Node) -> Op | None:
 
 
 @rule(aten.constant_pad_nd, aten.pad, aten.reflection_pad2d, aten.reflection_pad3d,
-      aten.replication_pad2d, aten.replication_pad3d,
-      refusal="only constant, reflect and replicate padding of the spatial dims run on tiles "
-              "(circular padding would make a border tile read the opposite border)")
+      aten.replication_pad2d, aten.replication_pad3d, aten._pad_circular,
+      refusal="only padding of the spatial dims of an image or volume runs on tiles "
+              "(constant, reflect, replicate or circular); reflect, replicate and circular "
+              "padding of the channel or batch dims does not, nor circular padding by a "
+              "negative amount")
 def _padding(n: fx.Node) -> Op | None:
     return _pad(n)
+
+
+@rule(aten.roll, refusal="torch.roll without dims rolls the flattened tensor, which mixes "
+                         "the channel and spatial dims; give dims (any of N, C, D, H, W) and "
+                         "it runs on tiles")
+def _roll(n: fx.Node) -> Op | None:
+    x = _shape(n.args[0])
+    if x is None or len(x) not in (4, 5):
+        return None
+    return roll_window(x, arg(n, 1, []), arg(n, 2, []), tuple(range(2, len(x))))
 
 
 @rule(aten.upsample_nearest2d, aten.upsample_bilinear2d, aten.upsample_nearest3d,
@@ -261,9 +294,37 @@ def _adaptive_avg(n: fx.Node) -> Op | None:
     return _adaptive(n)
 
 
-refuse(aten.adaptive_max_pool2d, aten.adaptive_max_pool3d,
-       refusal="adaptive max pooling is not tiled (adaptive average pooling to any size and amax "
-               "over H and W are)")
+@rule(aten.adaptive_max_pool2d, aten.adaptive_max_pool3d,
+      refusal="adaptive max pooling runs on tiles when only its values are read; here its "
+              "indices (return_indices=True) are used too")
+def _adaptive_max(n: fx.Node) -> Op | None:
+    """Adaptive max pooling to 1 or to bins that overlap and vary in size: from the tiles into
+    a replicated output (TileReduce "maxbins": values and indices, one device's, ties
+    included). To a size that divides the map it is a max pool with kernel = stride, on tiles
+    (fxpar.frontend.rules.chains rewrites it at capture). The op returns (values, indices):
+    the graph must read only the values (``getitem`` 0)."""
+    x = _shape(n.args[0])
+    if x is None or len(x) not in (4, 5) or any(
+            u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in n.users):
+        return None
+    return Reduce("maxbins", True, per_dim(arg(n, 1, None), len(x) - 2))
+
+
+@rule(aten.pixel_shuffle, aten.pixel_unshuffle,
+      refusal="only pixel (un)shuffles of an image (N, C, H, W) run on tiles (of a volume "
+              "they would take D for the channels)")
+def _pixel_shuffle(n: fx.Node) -> Op | None:
+    """pixel_unshuffle(r): output row o reads input rows [r o, r o + r) (kernel = stride =
+    r); pixel_shuffle(r): output row o reads input row o // r. Both on the window their index
+    map gives (fxpar.passes.halo), whatever rows the input's tiles hold."""
+    x = _shape(n.args[0])
+    if x is None or len(x) != 4:
+        return None
+    r = int(arg(n, 1, 1))
+    kind = "unshuffle" if n.target.overloadpacket is aten.pixel_unshuffle else "shuffle"
+    return Window(kind, (r, r), (r, r), (0, 0))
+
+
 _LAYOUT_OPS = ("view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",
                "linear", "matmul", "bmm", "select", "expand", "unfold")
 refuse(*(getattr(aten, name) for name in _LAYOUT_OPS),
@@ -327,7 +388,8 @@ def _transposed(k: tuple[int, ...], s: tuple[int, ...], p: tuple[int, ...],
 
 
 PAD_MODES = {aten.reflection_pad2d: "reflect", aten.reflection_pad3d: "reflect",
-             aten.replication_pad2d: "replicate", aten.replication_pad3d: "replicate"}
+             aten.replication_pad2d: "replicate", aten.replication_pad3d: "replicate",
+             aten._pad_circular: "circular"}
 
 
 def _pad(n: fx.Node) -> Op | None:
@@ -352,8 +414,12 @@ def _pad(n: fx.Node) -> Op | None:
         maps = tuple(AxisMap(mode, False, x[2 + i], out[2 + i], None, before[i])
                      for i in range(nd))
         return Window("interp", (1,) * nd, (1,) * nd, (0,) * nd, attrs=(("maps", maps),))
+    if mode == "circular":  # output row o reads input row (o - before) mod extent
+        if min(pad) < 0:
+            return None  # torch crops, then wraps the rows of the crop: another map
+        return Window("wrap", (1,) * nd, (1,) * nd, before, attrs=(("pad", tuple(pad)),))
     if mode != "constant":
-        return None  # circular: a tile at one border would read the other
+        return None
     value = arg(n, 3 if packet is aten.pad else 2, 0.0)
     return Window("pad", (1,) * nd, (1,) * nd, before, fill=float(value or 0.0),
                   attrs=(("pad", tuple(pad)),))

@@ -29,7 +29,8 @@ class Pointwise:
 class Window:
     """A windowed op. ``kind``: one of :data:`WINDOW_KINDS` (conv, maxpool, avgpool, pad
     (constant), convT, interp: any interpolation, reflect / replicate padding, whose index map
-    per dim is ``attr("maps")``), which says what the passes do with it.
+    per dim is ``attr("maps")``; wrap: circular padding and torch.roll; unshuffle, shuffle:
+    pixel_unshuffle and pixel_shuffle by ``k``), which says what the passes do with it.
 
     Per spatial dim (H, W of an image; D, H, W of a volume): kernel k, stride s, padding p (the
     leading side), dilation d.
@@ -92,6 +93,16 @@ class WindowKind:
     """Runs as one ``HaloOp`` (fxpar.runtime.spatial.ops: the exchange fused with the op, which
     keeps only the tile and the halo pieces for backward); such ops can share a halo group
     (fxpar.passes.halo_fusion). Otherwise the window is assembled and ``TILE_OPS`` runs on it."""
+    wraps: bool = False
+    """Reads past the border wrap around to the opposite border (circular padding, torch.roll):
+    input row ``r`` outside [0, extent) is row ``r mod extent``, brought by the exchange
+    (fxpar.core.geometry.exchange with ``wrap``), never filled. Such an op has no finite
+    receptive box (fxpar.compiler.receptive refuses it) and never joins a fused halo group."""
+
+    def __post_init__(self) -> None:
+        if self.wraps and (self.halo_op or self.clamped):
+            raise ValueError("a wrapping window kind reads whole rows mod the extent: it is "
+                             "neither clamped nor a HaloOp (its window is assembled, TILE_OPS)")
 
 
 def _rows(w: Window, out: Interval, dim: int) -> Interval:
@@ -117,6 +128,14 @@ WINDOW_KINDS: dict[str, WindowKind] = {
                         lambda w, dim: Fraction(1, w.s[dim])),
     "interp": WindowKind(lambda w, out, dim: w.attr("maps")[dim].needs(out), _interp_scale,
                          clamped=True),
+    # output row o reads input row (o - p) mod extent: circular padding by (p, after), or
+    # torch.roll by p (attrs "pad", resp. "roll": the shifts of the non-spatial dims)
+    "wrap": WindowKind(_rows, lambda w, dim: Fraction(1), wraps=True),
+    # pixel_unshuffle by r (k = s = r): output row o reads input rows [r o, r o + r)
+    "unshuffle": WindowKind(_rows, _strided),
+    # pixel_shuffle by r (k = s = r): output row o reads input row o // r
+    "shuffle": WindowKind(lambda w, out, dim: transposed_rows(out, w.k[dim], w.s[dim], 0, 1),
+                          lambda w, dim: Fraction(1, w.s[dim])),
 }
 """Every kind of windowed op, by :attr:`Window.kind`."""
 
@@ -131,12 +150,14 @@ class BatchNorm:
 @dataclass(frozen=True)
 class Reduce:
     """A reduction over the spatial dims of the whole image or volume (runtime.spatial.reduce):
-    ``sum``, ``mean`` (global average pooling), ``amax`` or ``bins`` (adaptive average pooling
-    to ``out``); the result is replicated."""
+    ``sum``, ``mean`` (global average pooling), ``amax``, ``norm`` (a vector norm of order
+    ``ord``: a global response norm), ``bins`` (adaptive average pooling to ``out``) or
+    ``maxbins`` (adaptive max pooling to ``out``); the result is replicated."""
 
     kind: str
     keepdim: bool = True
     out: tuple[int, ...] = (1, 1)
+    ord: float = 2.0
 
 
 @dataclass(frozen=True)

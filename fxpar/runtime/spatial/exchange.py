@@ -97,11 +97,12 @@ def rebuild(x: torch.Tensor, ex: Exchange, replicated: bool, pieces: Pieces) -> 
     n, c = x.shape[:2]
     out = empty(x, (n, c, *ex.need.shape))
     own = Rect.whole(ex.extent) if replicated else ex.own
-    local = ex.need.intersect(own)
-    if local is not None:
-        region(out, ex.need, local).copy_(region(x, own, local))
+    for win, img in ex.held(own):  # one block; a wrapping window's pieces, each in its place
+        region(out, ex.need, win).copy_(region(x, own, img))
     for rect, buf in pieces:
         region(out, ex.need, rect).copy_(buf)
+    if ex.wrap:
+        return out  # every cell is the image's (mod its extent): nothing to pad
     # the tile and the pieces cover the window's part inside the image; pad the rest: along
     # each dim, the slabs before and after the image (over the whole window: a cell outside
     # along several dims is filled more than once, with the same value)
@@ -122,20 +123,19 @@ def window_grad(g: torch.Tensor, ex: Exchange, comm: Comm | None, replicated: bo
     if replicated or comm is None:
         full = Rect.whole(ex.extent)
         gx = empty(g, (n, c, *ex.extent), zero=True)
-        inside = ex.need.intersect(full)
-        if inside is not None:
-            region(gx, full, inside).copy_(region(g, ex.need, inside))
+        for win, img in ex.held(full):  # a wrapping window may read a cell more than once
+            region(gx, full, img).add_(region(g, ex.need, win))
         return gx  # a partial gradient of a replicated tensor
     # the tiles that needed my cells send their gradients back; theirs go back to them
     _, bufs, reqs = swap(g, comm, tag, ex.sends,
                          [(dst, region(g, ex.need, rect)) for dst, rect in ex.recvs])
-    local = ex.local
-    if local == ex.own:  # the usual case: the window holds the whole tile
-        gx = region(g, ex.need, local).clone(memory_format=memory_format(g))
+    held = ex.held()
+    if len(held) == 1 and held[0][1] == ex.own:  # the usual case: the window holds the tile
+        gx = region(g, ex.need, held[0][0]).clone(memory_format=memory_format(g))
     else:
         gx = empty(g, (n, c, *ex.own.shape), zero=True)
-        if local is not None:
-            region(gx, ex.own, local).add_(region(g, ex.need, local))
+        for win, img in held:
+            region(gx, ex.own, img).add_(region(g, ex.need, win))
     Comm.waitall(reqs)
     for rect, buf in bufs:
         region(gx, ex.own, rect).add_(buf)

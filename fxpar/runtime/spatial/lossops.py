@@ -12,7 +12,6 @@ backward of the allreduce is an allreduce of the gradient (fxpar.runtime.spatial
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -20,14 +19,9 @@ import torch
 from fxpar.runtime.spatial.group import TileOp
 from fxpar.runtime.spatial.norms import group_sum
 from fxpar.runtime.spatial.ops import Join
+from fxpar.runtime.spatial.reduce import extreme, vector_norm
 
 KINDS = ("sum", "mean", "amax", "amin", "any", "all", "norm")
-
-
-def _extreme(x: torch.Tensor, dims: tuple[int, ...], op: str, key: str) -> torch.Tensor:
-    """``amax`` / ``amin`` over ``dims`` of the whole tensor; the gradient is split evenly over
-    the cells equal to the extreme, on every tile (as one device does)."""
-    return torch.ops.fxpar.group_extreme(x, key, list(dims), op)[0]
 
 
 class TileReduceDims(TileOp):
@@ -59,25 +53,14 @@ class TileReduceDims(TileOp):
             y = torch.ops.fxpar.allreduce(local.to(torch.int32), key,
                                           "max" if self.kind == "any" else "min").bool()
         elif self.kind in ("amax", "amin"):
-            y = _extreme(x, dims, "max" if self.kind == "amax" else "min", key)
+            y = extreme(x, dims, "max" if self.kind == "amax" else "min", key)
         elif self.kind == "norm":
-            y = self._norm(x, dims, key)
+            y = vector_norm(x, dims, self.ord, key)
         else:
             y = group_sum(x.sum(dim=dims, keepdim=True), key)
             if self.kind == "mean":
                 y = y / self.count
         return y if self.keepdim else _squeeze(y, dims)
-
-    def _norm(self, x: torch.Tensor, dims: tuple[int, ...], key: str) -> torch.Tensor:
-        p = self.ord
-        if math.isinf(p):
-            return _extreme(x.abs(), dims, "max" if p > 0 else "min", key)
-        if p == 0:
-            return torch.ops.fxpar.allreduce((x != 0).sum(dim=dims, keepdim=True).to(x.dtype),
-                                             key, "sum").detach()
-        part = x.abs() if p == 1 else x * x if p == 2 else x.abs().pow(p)
-        total = group_sum(part.sum(dim=dims, keepdim=True), key)
-        return total if p == 1 else total.sqrt() if p == 2 else total.pow(1.0 / p)
 
     def extra_repr(self) -> str:
         what = f"{self.kind} (ord {self.ord:g})" if self.kind == "norm" else self.kind

@@ -75,7 +75,8 @@ class Halo(TileOp):
         ex = self.exchange
         src = "replicated" if self.replicated else f"tile {ex.own}"
         return (f"{src} -> {ex.need}; halo {widths(ex)}; recv from {[u for u, _ in ex.recvs]}, "
-                f"send to {[u for u, _ in ex.sends]}, fill={ex.fill}")
+                f"send to {[u for u, _ in ex.sends]}, "
+                + ("wrapping around the image" if ex.wrap else f"fill={ex.fill}"))
 
 
 class Join(TileOp):

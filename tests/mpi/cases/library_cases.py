@@ -63,11 +63,27 @@ def _monai(name: str) -> Callable[[], nn.Module]:
         if name == "UNet":
             return mn.UNet(spatial_dims=2, in_channels=3, out_channels=3,
                            channels=(8, 16, 32), strides=(2, 2), num_res_units=1)
+        if name == "UNETR":  # a ViT encoder (16^3 patches) on a 3-D volume
+            return mn.UNETR(in_channels=3, out_channels=3, img_size=(32, 32, 32), feature_size=8,
+                            hidden_size=32, mlp_dim=64, num_heads=2, spatial_dims=3)
+        if name == "MedNeXt":  # with its global response norm (a vector norm over H, W)
+            return mn.MedNeXt(spatial_dims=2, in_channels=3, out_channels=3, init_filters=8,
+                              kernel_size=3, global_resp_norm=True)
         if name == "SegResNet":
             return mn.SegResNet(spatial_dims=2, in_channels=3, out_channels=3, init_filters=8)
         return mn.BasicUNet(spatial_dims=2, in_channels=3, out_channels=3,
                             features=(8, 8, 16, 32, 64, 8))
     return build
+
+
+def _segformer() -> nn.Module:
+    import segmentation_models_pytorch as smp
+
+    model = smp.Segformer(encoder_name="mit_b0", encoder_weights=None, classes=3)
+    for m in model.modules():  # stochastic depth draws random numbers: off, as for
+        if hasattr(m, "drop_prob"):  # torchvision's convnext_tiny here
+            m.drop_prob = 0.0
+    return model
 
 
 MODELS: dict[str, Model] = {
@@ -97,6 +113,13 @@ MODELS: dict[str, Model] = {
     "timm_mixnet_s": Model(_timm("mixnet_s"), (64, 64), 0.95),
     "timm_skresnet18": Model(_timm("skresnet18"), (64, 64), 0.95),
     "tv_shufflenet_v2_x0_5": Model(_tv("shufflenet_v2_x0_5"), (64, 64), 0.95),
+    # issue 40: tokens are pixels (efficient self-attention over every token: ring
+    # attention), a ViT encoder on a volume, global response norms, position attention
+    "smp_Segformer": Model(_segformer, (64, 64), 0.95, segmentation=True),
+    "monai_UNETR": Model(_monai("UNETR"), (32, 32, 32), 0.95, segmentation=True),
+    "monai_MedNeXt": Model(_monai("MedNeXt"), (64, 64), 0.95, segmentation=True),
+    "timm_convnextv2_atto": Model(_timm("convnextv2_atto"), (64, 64), 0.95),
+    "smp_MAnet": Model(_smp("MAnet"), (64, 64), 0.95, segmentation=True),
     "smp_PSPNet": Model(_smp("PSPNet", psp_dropout=0.0, encoder_depth=5, upsampling=32),
                         (96, 96), 0.95, segmentation=True),
 }

@@ -1,0 +1,196 @@
+"""Pass helper: rewrite one node in a token layout (fxpar.frontend.rules.tokens) for one tile.
+
+``fxpar.passes.halo.tile_stage`` calls :func:`tile_token_node` for every node the region pass
+gave a :class:`TokenLayout`. What it does follows the node's ``action``:
+
+- ``""``: nothing — the op acts on each token (or each row of a split dim) on its own;
+- ``"resize"``: a view, reshape, expand or unflatten gets the tile's sizes where its sizes
+  name split dims (a view becomes a reshape: a tile cut along W is not contiguous);
+- ``"reduce"``: a reduction over the split dims becomes a ``TileReduceDims`` (the tile's
+  partial, one allreduce, finished on the sum);
+- ``"contract"``: a product over a split dim (linear attention's ``k^T v``) is the tile's
+  product summed over the tiles (``fxpar::allreduce``);
+- ``"ring"`` / ``"gather"``: attention over split keys becomes ``RingAttention`` (tiled
+  queries) or ``GatherAttention`` (replicated queries), fxpar.runtime.spatial.attention.
+
+Whole operands that vary along a split dim (a learned position embedding over all tokens) are
+cut to the tile's cells first (``TileCells``). Before (a ViT block's attention on a 2x1 grid)::
+
+    attn = torch.ops.aten.scaled_dot_product_attention.default(q, k, v)
+
+after, on tile 0::
+
+    attn = self.fxpar_ring_3(q, k, v)   # ring attention over 2 tiles, key lengths [32, 32]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fxpar.core import meta
+from fxpar.core.geometry import Grid, Interval, tile
+from fxpar.core.meta import TensorInfo
+from fxpar.frontend.rules.aten_ops import arg
+from fxpar.frontend.rules.tokens import Axes, Multi, TokenLayout
+from fxpar.runtime.spatial.attention import GatherAttention, RingAttention
+from fxpar.runtime.spatial.lossops import TileReduceDims
+from fxpar.runtime.spatial.tokens import TileCells
+
+aten = torch.ops.aten
+AddModule = Callable[[str, nn.Module], str]
+"""``(prefix, module) -> name``: adds a submodule to the tile's stage."""
+
+
+def intervals(axes: Axes, grid: Grid, t: int) -> tuple[Interval, ...]:
+    """Tile ``t``'s interval along each axis a dim holds (at that axis' extent)."""
+    at = grid.position(t)
+    return tuple(tile(e, grid.parts[a], at[a]) for a, e in axes)
+
+
+def local_size(axes: Axes, grid: Grid, t: int) -> int:
+    """How many cells of a dim holding ``axes`` tile ``t`` holds."""
+    return math.prod(b - a for a, b in intervals(axes, grid, t))
+
+
+def _sizes(layout: tuple[Axes, ...], shape: tuple[int, ...], grid: Grid, t: int) -> list[int]:
+    return [local_size(axes, grid, t) if axes else s
+            for axes, s in zip(layout, shape, strict=True)]
+
+
+def tile_token_node(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Grid, t: int,
+                    key: str, add: AddModule, tag: Callable[[], int]) -> None:
+    """Rewrite ``n`` (in stage ``gm``) for tile ``t`` of ``grid``, talking in tile group
+    ``key`` (``tag()``: the message tag of the next op that sends)."""
+    g = gm.graph
+    for pos in info.sliced:
+        a = n.args[pos]
+        assert isinstance(a, fx.Node)
+        with g.inserting_before(n):
+            cut = _cut(g, a, meta.get(n, TensorInfo).shape, info.layout, grid, t, add)
+        n.args = (*n.args[:pos], cut, *n.args[pos + 1:])
+    if info.action == "resize":
+        _resize(n, info.layout, grid, t)
+    elif info.action == "reduce":
+        kind, dims, keep, count, order = info.reduce
+        name = add("tokenreduce", TileReduceDims(kind, dims, keep, key, count, order))
+        with g.inserting_before(n):
+            new = g.call_module(name, (n.args[0],))
+        _replace(g, n, new)
+    elif info.action == "contract":
+        with g.inserting_after(n):
+            total = g.call_function(torch.ops.fxpar.allreduce.default, (n, key, "sum"))
+        n.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
+        total.meta.update(n.meta)
+    elif info.action == "pending":
+        pass  # part of an attention chain: gone once its end is rewritten
+    elif info.action in ("ring", "gather"):
+        _attention(gm, n, info, grid, t, key, add, tag)
+    elif info.action:
+        raise AssertionError(f"token action {info.action!r} has no rewrite")
+
+
+def _replace(g: fx.Graph, old: fx.Node, new: fx.Node) -> None:
+    new.meta.update(old.meta)
+    old.replace_all_uses_with(new)
+    g.erase_node(old)
+
+
+def _resize(n: fx.Node, layout: Any, grid: Grid, t: int) -> None:
+    """The tile's sizes in ``n``'s size argument."""
+    assert not isinstance(layout, Multi)
+    out = tuple(meta.get(n, TensorInfo).shape)
+    sizes = _sizes(layout, out, grid, t)
+    packet = n.target.overloadpacket
+    if packet is aten.unflatten:
+        d = int(n.args[1]) % len(meta.get(n.args[0], TensorInfo).shape)
+        n.args = (n.args[0], n.args[1], sizes[d:d + len(n.args[2])], *n.args[3:])
+        return
+    if packet is aten.expand:  # -1 keeps an input size
+        sizes = [-1 if s == -1 else v for s, v in zip(n.args[1], sizes, strict=True)]
+    n.args = (n.args[0], sizes, *n.args[2:])
+    if packet is aten.view:  # a tile cut along W is not contiguous
+        n.target = aten.reshape.default
+
+
+def _cut(g: fx.Graph, a: fx.Node, out: tuple[int, ...], layout: Any, grid: Grid, t: int,
+         add: AddModule) -> fx.Node:
+    """The tile's cells of whole operand ``a`` of a node with output ``out`` / ``layout``
+    (broadcasting aligns ``a``'s dims with the output's last ones)."""
+    s = meta.get(a, TensorInfo).shape
+    off = len(out) - len(s)
+    node = a
+    for i, size in enumerate(s):
+        axes = layout[off + i]
+        if axes and size != 1 and any(grid.parts[x] > 1 for x, _ in axes):
+            box = intervals(axes, grid, t)
+            node = g.call_module(add("cells", TileCells(i, axes, box)), (node,))
+    return node
+
+
+def _attention(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Grid, t: int,
+               key: str, add: AddModule, tag: Callable[[], int]) -> None:
+    """scaled_dot_product_attention over split keys -> ring / gathered attention."""
+    dead: list[fx.Node] = []
+    if n.target.overloadpacket is aten.scaled_dot_product_attention:
+        q, k, v = n.args[:3]
+        assert isinstance(q, fx.Node) and isinstance(k, fx.Node)
+        e = meta.get(q, TensorInfo).shape[-1]
+        scale = arg(n, 6, None)
+        scale = float(scale) if scale is not None else 1.0 / math.sqrt(e)
+    else:  # softmax(q @ k^T * scale) @ v, written out
+        q, k, v, scale, dead = _chain(gm, n)
+    if info.action == "ring":
+        lengths = [local_size(_token_axes(k), grid, u) for u in range(grid.size)]
+        module: nn.Module = RingAttention(key, lengths, scale, tag())
+    else:
+        module = GatherAttention(key, scale)
+    name = add(info.action, module)
+    with gm.graph.inserting_before(n):
+        new = gm.graph.call_module(name, (q, k, v))
+    _replace(gm.graph, n, new)
+    for d in dead:  # the scores, scaling and softmax of one tile: no longer used
+        if not d.users:
+            gm.graph.erase_node(d)
+
+
+def _chain(gm: fx.GraphModule, n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float,
+                                                     list[fx.Node]]:
+    """(q, k, v, scale, the chain's nodes from the end back) of an attention written out:
+    ``n`` is ``probs @ v`` (matmul or einsum); back from ``probs`` through dropout, softmax
+    and scalings (fxpar.frontend.rules.tokens: their ``pending`` records) to ``q @ k^T``."""
+    einsum = n.target.overloadpacket is aten.einsum
+    probs, v = n.args[1] if einsum else n.args[:2]
+    scale, node, dead = 1.0, probs, []
+    while True:
+        assert isinstance(node, fx.Node)
+        dead.append(node)
+        packet = getattr(node.target, "overloadpacket", None)
+        if packet in (aten.matmul, aten.bmm, aten.einsum):
+            break
+        if packet is aten.mul:
+            scale *= float(node.args[1])
+        elif packet is aten.div:
+            scale /= float(node.args[1])
+        node = node.args[0]
+    if packet is aten.einsum:
+        q, k = node.args[1]
+    else:
+        q, kt = node.args[:2]
+        assert isinstance(kt, fx.Node)
+        dead.append(kt)
+        k = kt.args[0]
+    assert isinstance(q, fx.Node) and isinstance(k, fx.Node) and isinstance(v, fx.Node)
+    return q, k, v, scale, dead
+
+
+def _token_axes(k: fx.Node) -> Axes:
+    """The axes of the key tokens' dim (second to last) of ``k``."""
+    lay = meta.get(k, TokenLayout).layout if meta.find(k, TokenLayout) is not None else None
+    if lay is None or isinstance(lay, Multi):
+        raise AssertionError(f"keys {k.name!r} of ring attention have no token layout")
+    return lay[-2]
