@@ -41,7 +41,8 @@ def build_model(spec: str, *, meta: bool = False, **kwargs: Any) -> nn.Module:
     """Build the model ``spec`` names, passing ``kwargs`` to its factory.
 
     meta: build on the ``meta`` device (no parameter memory, for analysis); a factory that
-    computes with tensors while building (torchvision's RegNet does) is built on CPU instead.
+    computes with tensors while building (torchvision's RegNet does; MONAI's SwinUNETR reads
+    ``.item()`` of its drop-path rates) is built on CPU instead.
     """
     if meta:
         try:
@@ -49,6 +50,9 @@ def build_model(spec: str, *, meta: bool = False, **kwargs: Any) -> nn.Module:
                 return build_model(spec, **kwargs)
         except NotImplementedError:
             pass
+        except RuntimeError as e:
+            if "meta" not in str(e):
+                raise
     source, sep, name = spec.rpartition(":")
     if not sep or not name:
         raise ModelSpecError(f"model spec {spec!r}: expected {FORMS}")

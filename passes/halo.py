@@ -222,12 +222,16 @@ def _interp_tile(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect,
     return ctx.gm.graph.call_module(ctx.add("interp", interp), (win,))
 
 
+CONV_TRANSPOSED = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+"""The transposed convolution of each number of spatial dims."""
+
+
 def _conv_transposed_tile(ctx: _Ctx, n: fx.Node, op: Window, win: fx.Node, own: Rect,
                           need: Rect) -> fx.Node:
     """The whole transposed convolution of the window, cropped to this tile's outputs."""
     g, s = ctx.gm.graph, op.s
     groups, w, b = _weights(n)
-    conv_t = F.conv_transpose3d if len(s) == 3 else F.conv_transpose2d
+    conv_t = CONV_TRANSPOSED[len(s)]
     full = g.call_function(conv_t, (win, w, b, s, 0, 0, groups, op.d))
     base = tuple(a * s[i] - op.p[i] for i, (a, _) in enumerate(need.dims))
     return _crop(g, full, own.moved(base))
@@ -374,7 +378,8 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
         info = meta.find(n, TokenLayout)
         if info is not None:  # in a token layout (fxpar.passes.tile_tokens)
             _whole_inputs(ctx, n)
-            tile_token_node(gm, n, info, grid, tile, key, ctx.add, ctx.tag)
+            tile_token_node(gm, n, info, grid, tile, key, ctx.add, ctx.tag,
+                            lambda at, x, needs: _halo(ctx, at, x, needs, 0.0, True))
             continue
         if _tiled(n):
             _island_entry(ctx, n)

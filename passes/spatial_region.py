@@ -1,7 +1,7 @@
 """Pass: find the spatial region — the nodes that run on image tiles.
 
-The region grows forward from the model's image inputs (N, C, H, W) or volume inputs
-(N, C, D, H, W) through ops fxpar knows how to run on tiles
+The region grows forward from the model's image inputs (N, C, H, W), volume inputs
+(N, C, D, H, W) or sequence inputs (N, C, L) through ops fxpar knows how to run on tiles
 (fxpar.frontend.rules.opclass). It ends before the first op that is not one of them (flatten, view,
 linear, an unknown function: it is named in the node's ``SpatialLayout.reason``), before an
 op whose output would leave some rank an empty tile, and before a pointwise op with an operand
@@ -31,6 +31,7 @@ from fxpar.frontend.rules import tokens
 from fxpar.frontend.rules.dims import NoRule
 from fxpar.frontend.rules.islands import find_islands
 from fxpar.frontend.rules.opclass import Pointwise, Reduce, Window, classify, why_not
+from fxpar.frontend.rules.opkind import SPATIAL_RANKS
 from fxpar.frontend.rules.perpixel import RULES as PER_PIXEL
 from fxpar.frontend.rules.tokens import TokenLayout
 
@@ -53,10 +54,10 @@ GRID_KEY = "fxpar.grid"
 
 
 def _extent(n: fx.Node) -> tuple[int, ...] | None:
-    """The spatial sizes ((H, W), or (D, H, W)) of a node's 4-D or 5-D output; of a channel
-    split's outputs when they all agree."""
+    """The spatial sizes ((L,), (H, W) or (D, H, W)) of a node's 3-D, 4-D or 5-D output; of a
+    channel split's outputs when they all agree."""
     info = meta.find(n, TensorInfo)
-    if info is None or not info.shapes or any(len(s) not in (4, 5) for s in info.shapes):
+    if info is None or not info.shapes or any(len(s) not in SPATIAL_RANKS for s in info.shapes):
         return None
     extents = {tuple(s[2:]) for s in info.shapes}
     return extents.pop() if len(extents) == 1 else None
@@ -68,7 +69,7 @@ def _size(ext: tuple[int, ...]) -> str:
 
 def spatial_dims(gm: fx.GraphModule) -> int:
     """How many spatial dims the model's image input has: 2 for (N, C, H, W), 3 for a volume
-    (N, C, D, H, W); 2 when no input is either."""
+    (N, C, D, H, W), 1 for a sequence (N, C, L); 2 when no input is any of them."""
     for n in gm.graph.nodes:
         if n.op == "placeholder" and (ext := _extent(n)) is not None:
             return len(ext)
@@ -112,10 +113,13 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         return gm
     grid = Grid(*plan.tile_grid(spatial_dims(gm)))
     gm.meta[GRID_KEY] = grid
-    islands = find_islands(gm)
-    forbidden: set[fx.Node] = set()
-    while poisoned := _walk(gm, grid, islands, forbidden):
-        forbidden |= poisoned
+    islands = find_islands(gm, grid.ndim)
+    forbidden: dict[fx.Node, str] = {}  # a token block's start -> why the block cannot run
+    while True:
+        poisoned, why = _walk(gm, grid, islands, forbidden)
+        if not poisoned:
+            break
+        forbidden.update(dict.fromkeys(poisoned, why))
     if not any(n.op != "placeholder" and meta.get(n, SpatialLayout).tiled
                for n in gm.graph.nodes):
         raise PlanError(_nothing_tiled(gm, plan, grid))
@@ -124,10 +128,10 @@ def spatial_region(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 
 def _walk(gm: fx.GraphModule, grid: Grid, islands: dict[fx.Node, str],
-          forbidden: set[fx.Node]) -> set[fx.Node]:
+          forbidden: dict[fx.Node, str]) -> tuple[set[fx.Node], str]:
     """One walk over the graph in order, growing the region forward from the image inputs;
     the token blocks that must not start (their first nodes) if some op of theirs cannot run
-    on tiles, else nothing."""
+    on tiles, and why (else nothing)."""
     tiled: set[fx.Node] = set()
     st = tokens.State(grid.parts)
     blocks: dict[fx.Node, frozenset[fx.Node]] = {}  # token-layout value -> its blocks' starts
@@ -139,7 +143,7 @@ def _walk(gm: fx.GraphModule, grid: Grid, islands: dict[fx.Node, str],
                 tiled.add(n)
                 st.layouts[n] = _image(n, grid)
                 meta.put(n, SpatialLayout(True))
-            elif ext is not None:
+            elif ext is not None and len(ext) == grid.ndim:
                 meta.put(n, SpatialLayout(False, f"the {_size(ext)} input {n.name!r} is "
                                                  f"smaller than the {grid} tile grid"))
             else:
@@ -147,17 +151,17 @@ def _walk(gm: fx.GraphModule, grid: Grid, islands: dict[fx.Node, str],
             continue
         starts = frozenset().union(*(blocks[a] for a in n.all_input_nodes if a in blocks))
         if n.op == "output" and starts:
-            return set(starts)  # the model returns a token-layout value: not handled
+            return set(starts), "the model returns it in a token layout"
         if n.op in ("get_attr", "output"):
             meta.put(n, SpatialLayout(False))
             continue
         if starts:  # an op on a token-layout value: its rule, or the blocks end
             try:
                 info = tokens.token_layout(gm, n, st)
-            except NoRule:
-                return set(starts)
+            except NoRule as e:
+                return set(starts), f"{_describe(gm, n)}: {e}"
             if not _token_node(n, info, grid, tiled, st):
-                return set(starts)
+                return set(starts), f"{_describe(gm, n)}: its output is smaller than the tiles"
             if n in tiled and meta.get(n, SpatialLayout).island:
                 blocks[n] = starts
             continue
@@ -187,12 +191,14 @@ def _walk(gm: fx.GraphModule, grid: Grid, islands: dict[fx.Node, str],
                     blocks[n] = frozenset({n})
                 continue
         if reason:
+            if n in forbidden:
+                reason += f"; the token block it starts stops at {forbidden[n]}"
             meta.put(n, SpatialLayout(False, f"region ends at {n.name!r}: {reason}"))
             continue
         tiled.add(n)
         st.layouts[n] = _image(n, grid)
         meta.put(n, SpatialLayout(True))
-    return set()
+    return set(), ""
 
 
 def _reason(gm: fx.GraphModule, n: fx.Node, ins: list[fx.Node], tiled: set[fx.Node],
@@ -206,8 +212,8 @@ def _reason(gm: fx.GraphModule, n: fx.Node, ins: list[fx.Node], tiled: set[fx.No
     if isinstance(op, Reduce):
         meta.put(n, SpatialLayout(False))
         return None
-    if ext is None:
-        return f"{_describe(gm, n)} does not produce an image (or volume) tensor"
+    if ext is None or len(ext) != grid.ndim:
+        return f"{_describe(gm, n)} does not produce an image (or volume, or sequence) tensor"
     if not grid.fits(ext):
         return f"its {_size(ext)} output is smaller than the {grid} tile grid"
     if isinstance(op, Pointwise) and any(_extent(a) not in (ext, None) for a in ins):
@@ -346,7 +352,8 @@ def _nothing_tiled(gm: fx.GraphModule, plan: Plan, grid: Grid) -> str:
         shapes = [meta.get(n, TensorInfo).shapes for n in inputs if meta.find(n, TensorInfo)]
         got = ", ".join("x".join(map(str, s)) + f" ({len(s)}-D)" for ss in shapes for s in ss)
         return (f"spatial_parts={plan.spatial_parts} splits the spatial dims of an image (N, C, "
-                f"H, W) or a volume (N, C, D, H, W), but this model's input is "
+                f"H, W), a volume (N, C, D, H, W) or a sequence (N, C, L), but this model's "
+                f"input is "
                 f"{got or 'not a tensor'}: set "
                 f"spatial_parts=1 (stages, microbatches, gems and data_parallel work on any "
                 f"input)")
@@ -440,5 +447,7 @@ def _what_fits(gm: fx.GraphModule, plan: Plan, grid: Grid, first: fx.Node) -> st
     most = max((p for p in range(1, min(math.prod(ext), 1024) + 1)
                 if Grid(*Plan(spatial_parts=p, slice=plan.slice).tile_grid(len(ext))).fits(ext)),
                default=1)
+    if len(ext) == 1:  # a sequence: one grid, whatever the slice
+        return f": use a sequence of at least {at_least}, or spatial_parts <= {most}"
     return (f": use an image of at least {at_least}, or spatial_parts <= {most} "
             f"with slice={plan.slice!r}")

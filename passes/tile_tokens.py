@@ -33,23 +33,28 @@ import torch
 from torch import fx, nn
 
 from fxpar.core import meta
-from fxpar.core.geometry import Grid, Interval, tile
+from fxpar.core.geometry import Grid, Interval, Rect, tile
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.aten_ops import arg
 from fxpar.frontend.rules.tokens import Axes, Multi, TokenLayout
 from fxpar.runtime.spatial.attention import GatherAttention, RingAttention
 from fxpar.runtime.spatial.lossops import TileReduceDims
-from fxpar.runtime.spatial.tokens import TileCells
+from fxpar.runtime.spatial.norms import TileGroupNorm
+from fxpar.runtime.spatial.tokens import TileCells, TileSoftmax
 
 aten = torch.ops.aten
 AddModule = Callable[[str, nn.Module], str]
 """``(prefix, module) -> name``: adds a submodule to the tile's stage."""
+Halo = Callable[[fx.Node, fx.Node, list[Rect]], fx.Node]
+"""``(before, x, needs) -> window``: inserts a wrapped exchange giving this tile ``needs[t]``
+of the (N, C, H, W) value ``x`` (fxpar.passes.halo)."""
 
 
 def intervals(axes: Axes, grid: Grid, t: int) -> tuple[Interval, ...]:
-    """Tile ``t``'s interval along each axis a dim holds (at that axis' extent)."""
+    """Tile ``t``'s interval of each factor a dim holds (an image axis: its tile at that
+    extent; a plain factor or the inside of a window: all of it)."""
     at = grid.position(t)
-    return tuple(tile(e, grid.parts[a], at[a]) for a, e in axes)
+    return tuple(tile(e, grid.parts[a], at[a]) if a >= 0 else (0, e) for a, e in axes)
 
 
 def local_size(axes: Axes, grid: Grid, t: int) -> int:
@@ -63,9 +68,10 @@ def _sizes(layout: tuple[Axes, ...], shape: tuple[int, ...], grid: Grid, t: int)
 
 
 def tile_token_node(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Grid, t: int,
-                    key: str, add: AddModule, tag: Callable[[], int]) -> None:
+                    key: str, add: AddModule, tag: Callable[[], int], halo: Halo) -> None:
     """Rewrite ``n`` (in stage ``gm``) for tile ``t`` of ``grid``, talking in tile group
-    ``key`` (``tag()``: the message tag of the next op that sends)."""
+    ``key`` (``tag()``: the message tag of the next op that sends; ``halo``: a wrapped
+    exchange of an (N, C, H, W) value, fxpar.passes.halo)."""
     g = gm.graph
     for pos in info.sliced:
         a = n.args[pos]
@@ -86,6 +92,22 @@ def tile_token_node(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Gri
             total = g.call_function(torch.ops.fxpar.allreduce.default, (n, key, "sum"))
         n.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total)
         total.meta.update(n.meta)
+    elif info.action == "softmax":
+        name = add("softmax", TileSoftmax(info.reduce[0], key))
+        with g.inserting_before(n):
+            new = g.call_module(name, (n.args[0],))
+        _replace(g, n, new)
+    elif info.action == "groupnorm":
+        x = meta.get(n.args[0], TensorInfo).shape
+        groups = int(arg(n, 1, 1))
+        norm = TileGroupNorm(groups, float(arg(n, 4, 1e-5)), key,
+                             x[1] // groups * math.prod(x[2:]))
+        name = add("groupnorm", norm)
+        with g.inserting_before(n):
+            new = g.call_module(name, (n.args[0], arg(n, 2, None), arg(n, 3, None)))
+        _replace(g, n, new)
+    elif info.action == "roll":
+        _roll(gm, n, info, grid, t, halo)
     elif info.action == "pending":
         pass  # part of an attention chain: gone once its end is rewritten
     elif info.action in ("ring", "gather"):
@@ -126,7 +148,7 @@ def _cut(g: fx.Graph, a: fx.Node, out: tuple[int, ...], layout: Any, grid: Grid,
     node = a
     for i, size in enumerate(s):
         axes = layout[off + i]
-        if axes and size != 1 and any(grid.parts[x] > 1 for x, _ in axes):
+        if axes and size != 1 and any(x >= 0 and grid.parts[x] > 1 for x, _ in axes):
             box = intervals(axes, grid, t)
             node = g.call_module(add("cells", TileCells(i, axes, box)), (node,))
     return node
@@ -143,9 +165,9 @@ def _attention(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Grid, t:
         scale = arg(n, 6, None)
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(e)
     else:  # softmax(q @ k^T * scale) @ v, written out
-        q, k, v, scale, dead = _chain(gm, n)
+        q, k, v, scale, dead = attention_chain(gm, n)
     if info.action == "ring":
-        lengths = [local_size(_token_axes(k), grid, u) for u in range(grid.size)]
+        lengths = [local_size(key_axes(k), grid, u) for u in range(grid.size)]
         module: nn.Module = RingAttention(key, lengths, scale, tag())
     else:
         module = GatherAttention(key, scale)
@@ -158,7 +180,7 @@ def _attention(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Grid, t:
             gm.graph.erase_node(d)
 
 
-def _chain(gm: fx.GraphModule, n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float,
+def attention_chain(gm: fx.GraphModule, n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float,
                                                      list[fx.Node]]:
     """(q, k, v, scale, the chain's nodes from the end back) of an attention written out:
     ``n`` is ``probs @ v`` (matmul or einsum); back from ``probs`` through dropout, softmax
@@ -188,9 +210,56 @@ def _chain(gm: fx.GraphModule, n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, f
     return q, k, v, scale, dead
 
 
-def _token_axes(k: fx.Node) -> Axes:
+def key_axes(k: fx.Node) -> Axes:
     """The axes of the key tokens' dim (second to last) of ``k``."""
     lay = meta.get(k, TokenLayout).layout if meta.find(k, TokenLayout) is not None else None
     if lay is None or isinstance(lay, Multi):
         raise AssertionError(f"keys {k.name!r} of ring attention have no token layout")
     return lay[-2]
+
+
+def _roll(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Grid, t: int,
+          halo: Halo) -> None:
+    """torch.roll over split dims of an image held in another dim order ((N, H, W, C)):
+    permuted to (N, C, H, W), a wrapped exchange brings each tile the rows its shifted
+    output reads (output row o reads row o - shift), permuted back; shifts of dims that are
+    not split are done on the tile."""
+    g = gm.graph
+    x = n.args[0]
+    assert isinstance(x, fx.Node)
+    lay = meta.get(x, TokenLayout).layout if meta.find(x, TokenLayout) else None
+    assert lay is not None, f"roll {n.name!r} reads no token-layout value"
+    image = sorted((axes[0][0], i) for i, axes in enumerate(lay) if axes)
+    order = [i for i, axes in enumerate(lay) if not axes] + [i for _, i in image]
+    back = [order.index(i) for i in range(len(order))]
+    whole = tuple(meta.get(x, TensorInfo).shape)
+    extent = tuple(whole[i] for _, i in image)
+    shift = {lay[d][0][0]: s for d, s in info.roll}
+    needs = []
+    for u in range(grid.size):
+        own = grid.tile_rect(extent, u)
+        needs.append(Rect(*((a - shift.get(k, 0), b - shift.get(k, 0))
+                            for k, (a, b) in enumerate(own.dims))))
+    with g.inserting_before(n):
+        moved = g.call_function(aten.permute.default, (x, order))
+    moved.meta.update(x.meta)
+    moved.meta.pop(TokenLayout.KEY, None)
+    meta.put(moved, TensorInfo((tuple(whole[i] for i in order),),
+                               (meta.get(x, TensorInfo).dtype,)))
+    win = halo(n, moved, needs)
+    rest = [(d, s) for d, s in zip(*_shifts(n), strict=True) if d not in dict(info.roll)]
+    with g.inserting_before(n):
+        new = g.call_function(aten.permute.default, (win, back))
+        if rest:
+            new = g.call_function(aten.roll.default, (new, [s for _, s in rest],
+                                                      [d for d, _ in rest]))
+    _replace(g, n, new)
+
+
+def _shifts(n: fx.Node) -> tuple[list[int], list[int]]:
+    """(dims, shifts) of roll ``n``, dims counted from 0."""
+    shifts, dims = arg(n, 1, []), arg(n, 2, [])
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    rank = len(meta.get(n, TensorInfo).shape)
+    return [int(d) % rank for d in dims], [int(s) for s in shifts]

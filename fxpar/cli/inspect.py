@@ -41,6 +41,7 @@ from fxpar.core.plan import (
 )
 from fxpar.core.schedule import SCHEDULES as SCHEDULE_RULES
 from fxpar.core.schedule import format_grid, split_keys
+from fxpar.core.units import nbytes
 from fxpar.frontend.trace import TraceError, trace
 from fxpar.models.zoo import ModelSpecError, build_model, parse_kwargs
 from fxpar.perf.costmodel import timing
@@ -227,8 +228,11 @@ def _predict(args: argparse.Namespace, program: Program) -> None:
     for s, st in tm.stages.items():
         back = f"B {st.b / 2 * 1e3:.3f} ms, W {st.b / 2 * 1e3:.3f} ms" if split else \
             f"B {st.b * 1e3:.3f} ms"
-        print(f"  stage {s}: F {st.f * 1e3:.3f} ms, {back} per micro-batch "
-              f"(halos and statistics {st.comm_f * 1e3:.3f} ms each way)")
+        comm = f"halos and statistics {st.comm_f * 1e3:.3f} ms each way" if not st.sent_f \
+            else (f"halos, statistics and attention over the tiles {st.comm_f * 1e3:.3f} ms "
+                  f"forward, {st.comm_b * 1e3:.3f} ms backward; {nbytes(st.sent_f)} / "
+                  f"{nbytes(st.sent_b)} sent")
+        print(f"  stage {s}: F {st.f * 1e3:.3f} ms, {back} per micro-batch ({comm})")
     if args.timeline is None:
         return
     title = (f"{args.model}: {plan.schedule}, {plan.stages} stage(s), {plan.microbatches} "

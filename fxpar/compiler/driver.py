@@ -54,7 +54,7 @@ from fxpar.runtime.loop import LossFn
 from fxpar.runtime.materialize import InitFn, meta_model_of
 from fxpar.runtime.recompute import recomputed_stages
 from fxpar.runtime.spatial.ops import group_key
-from fxpar.runtime.spatial.tags import max_tag
+from fxpar.runtime.spatial.tags import max_tag, tag_owners
 from fxpar.runtime.sync import sync_problems
 
 PASSES = [("precision", precision), ("spatial_region", spatial_region),
@@ -278,6 +278,7 @@ def compile(  # noqa: A001 - the public name the design fixes
     for s in range(plan.spatial_stages if spatial is not None else 0):
         tile0 = spatial.tile(s, 0)  # type: ignore[union-attr]
         halo_tags[s] = max_tag(tile0)
+        tag_owners(tile0)  # each tile op's messages its own tags
         if after_pass is not None:
             after_pass(HALO, tile0)
     check_tags(tag_uses(plan, len(graph.transfers), halo_tags))

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from torch import fx
+import torch
+from torch import fx, nn
 
 from fxpar.compiler.report import listed, node_table
 from fxpar.core import meta
@@ -23,6 +24,8 @@ from fxpar.core.plan import Plan, PlanError
 from fxpar.frontend.trace import TraceError
 from fxpar.passes.spatial_region import SpatialLayout
 from fxpar.passes.split_stages import StageAssignment
+from fxpar.runtime.spatial.attention import GatherAttention, RingAttention
+from fxpar.runtime.spatial.lossops import TileReduceDims
 from fxpar.runtime.spatial.norms import TileGroupNorm
 from fxpar.runtime.spatial.ops import (
     Halo,
@@ -31,6 +34,7 @@ from fxpar.runtime.spatial.ops import (
     TileBatchNorm,
 )
 from fxpar.runtime.spatial.reduce import TileReduce
+from fxpar.runtime.spatial.tokens import TileCells
 
 Pass = Callable[[fx.GraphModule, Plan], fx.GraphModule]
 After = Callable[[str, fx.GraphModule], None]
@@ -122,6 +126,24 @@ def halo_note(gm: fx.GraphModule, n: fx.Node) -> str:
             return "GroupNorm statistics: allgather over tiles"
         if isinstance(mod, TileReduce):
             return f"{mod.kind} over the spatial dims: allreduce over tiles"
+        return _token_note(mod)
+    if n.target is torch.ops.fxpar.allreduce.default:
+        return f"{n.args[2]} over tiles (allreduce): a product over split tokens"
+    return ""
+
+
+def _token_note(mod: nn.Module) -> str:
+    """What a tile op of a token block (fxpar.passes.tile_tokens) does across tiles."""
+    if isinstance(mod, RingAttention):
+        p = len(mod.lengths)
+        return (f"ring attention over {p} tiles' tokens {list(mod.lengths)}: K, V go round "
+                f"in {p - 1} step(s), dK, dV back in {p}; tags {mod.tag}/{mod.tag + 1}")
+    if isinstance(mod, GatherAttention):
+        return "replicated queries over every tile's tokens: 2 allreduces (backward 1)"
+    if isinstance(mod, TileReduceDims):
+        return f"{mod.kind} over dims {list(mod.dims)} (split tokens): allreduce over tiles"
+    if isinstance(mod, TileCells):
+        return f"this tile's cells of a whole operand (dim {mod.dim})"
     return ""
 
 

@@ -47,6 +47,7 @@ from fxpar.core.meta import TensorInfo
 from fxpar.frontend.capture import where
 from fxpar.frontend.rules.islands import find_islands
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, Pointwise, Reduce, Window, classify
+from fxpar.frontend.rules.opkind import SPATIAL_RANKS
 from fxpar.frontend.trace import trace
 from fxpar.passes.split_stages import model_output
 
@@ -84,7 +85,7 @@ class Reach:
 
 def _extent(n: fx.Node) -> tuple[int, ...] | None:
     info = meta.find(n, TensorInfo)
-    if info is None or not info.shapes or any(len(s) not in (4, 5) for s in info.shapes):
+    if info is None or not info.shapes or any(len(s) not in SPATIAL_RANKS for s in info.shapes):
         return None
     extents = {tuple(s[2:]) for s in info.shapes}
     return extents.pop() if len(extents) == 1 else None
@@ -102,8 +103,9 @@ def _model_io(gm: fx.GraphModule) -> tuple[fx.Node, fx.Node]:
     else:
         out = out.args[0]
     if x is None or _extent(x) is None:
-        raise ReachError("the model's input is not an image batch (N, C, H, W) or a volume "
-                         "batch (N, C, D, H, W): nothing to split into regions")
+        raise ReachError("the model's input is not an image batch (N, C, H, W), a volume "
+                         "batch (N, C, D, H, W) or a sequence batch (N, C, L): nothing to split "
+                         "into regions")
     if not isinstance(out, fx.Node) or _extent(out) is None:
         shape = meta.find(out, TensorInfo) if isinstance(out, fx.Node) else None
         got = f" of shape {tuple(shape.shape)}" if shape is not None and shape.shapes else ""
@@ -159,7 +161,7 @@ def needs(gm: fx.GraphModule, box: Rect) -> Rect:
     that is not local."""
     x, out = _model_io(gm)
     need: dict[fx.Node, Rect] = {out: box}
-    islands = find_islands(gm)
+    islands = find_islands(gm, box.ndim)
     for n in reversed(list(gm.graph.nodes)):
         r = need.get(n)
         if r is None or n.op in ("placeholder", "get_attr"):
@@ -193,7 +195,8 @@ def needs(gm: fx.GraphModule, box: Rect) -> Rect:
                     continue
                 if e == ext:
                     _merge(need, a, r)
-                elif all(d == 1 or d == o for d, o in zip(e, ext, strict=True)):
+                elif len(e) == len(ext) and all(d == 1 or d == o
+                                                for d, o in zip(e, ext, strict=True)):
                     _merge(need, a, Rect(*((0, 1) if d == 1 else iv
                                            for d, iv in zip(e, r.dims, strict=True))))
                 else:

@@ -12,6 +12,7 @@ from fxpar.core.geometry import piece_kinds
 from fxpar.core.meta import NodeCost, TensorInfo, module_path
 from fxpar.core.stages import StageGraph
 from fxpar.core.units import nbytes, si
+from fxpar.frontend.rules.opkind import SPATIAL_RANKS
 from fxpar.frontend.trace import totals
 from fxpar.passes.halo_fusion import FUSION_KEY, GroupInfo
 from fxpar.passes.spatial_region import Coverage, SpatialLayout, region_ends
@@ -130,7 +131,7 @@ def halo_table(program: Program) -> str:
     grid = info.grid
     tiled = sum(1 for n in gm.graph.nodes
                 if (lay := meta.find(n, SpatialLayout)) is not None and lay.tiled)
-    dims = ("D", "H", "W")[-grid.ndim:] if grid.ndim <= 3 else ()
+    dims = ("L",) if grid.ndim == 1 else ("D", "H", "W")[-grid.ndim:] if grid.ndim <= 3 else ()
     over = f" over ({', '.join(dims)})" if dims else ""
     lines = [f"spatial region: {tiled} of {len(gm.graph.nodes)} nodes on a {grid} tile "
              f"grid{over} ({'tiled' if info.out_tiled else 'replicated'} model output)"]
@@ -144,7 +145,7 @@ def halo_table(program: Program) -> str:
                                    cov.replicated))
     lines += [f"  {reason}" for reason in region_ends(gm)]
     image = _input_extent(gm)
-    sides = "f b t b l r" if grid.ndim == 3 else "t b l r"
+    sides = {1: "l r", 3: "f b t b l r"}.get(grid.ndim, "t b l r")
     kinds = piece_kinds(grid.ndim)
     rows = [("stage", "tile", "input block", "halos", "/".join(f"{k}s" for k in kinds),
              "received", "minimum", "ratio", f"widest halo ({sides})")]
@@ -203,10 +204,10 @@ def fusion_lines(program: Program, sides: str) -> list[str]:
 
 
 def _input_extent(gm: fx.GraphModule) -> tuple[int, ...] | None:
-    """The spatial sizes of the model's image (or volume) input."""
+    """The spatial sizes of the model's image (or volume, or sequence) input."""
     x = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
     info = meta.find(x, TensorInfo) if x is not None else None
-    if info is None or len(info.shapes) != 1 or len(info.shapes[0]) not in (4, 5):
+    if info is None or len(info.shapes) != 1 or len(info.shapes[0]) not in SPATIAL_RANKS:
         return None
     return tuple(info.shapes[0][2:])
 

@@ -42,6 +42,12 @@ def _with_original_names(sub: fx.GraphModule, prefix: str, qualnames: dict[str, 
             root[original] = obj
             n.target = original
     gm = graph_module(root, graph, f"Stage{prefix.removeprefix('submod_')}")
+    state = original_root.state_dict(keep_vars=True)
+    for path in root:  # tensors the graph reads that are not the model's state stay out of it
+        if path not in state and isinstance(root[path], torch.Tensor) and \
+                not isinstance(root[path], torch.nn.Parameter):
+            *parents, leaf = path.split(".")
+            gm.get_submodule(".".join(parents))._non_persistent_buffers_set.add(leaf)
     return gm
 
 

@@ -18,21 +18,23 @@ from fxpar.core.geometry import Grid, Rect
 from fxpar.core.meta import TensorInfo
 from fxpar.core.plan import RankMap
 from fxpar.core.stages import StageGraph
+from fxpar.frontend.rules.opkind import SPATIAL_RANKS
 from fxpar.passes.halo import bounding, input_windows
 
 
 def rank_windows(gm: fx.GraphModule, graph: StageGraph, rank_map: RankMap, grid: Grid | None
                  ) -> tuple[Rect | None, ...] | None:
     """Per rank, the box of the model input its stages read (rows x columns, or depth x rows x
-    columns; bounding box, halo included, clipped to the image), None for a rank that never
-    reads it; None (nothing recorded) when the model input is not one image batch (N, C, H, W)
-    or volume batch (N, C, D, H, W).
+    columns; the positions along L of a sequence; bounding box, halo included, clipped to the
+    image), None for a rank that never reads it; None (nothing recorded) when the model input
+    is not one image batch (N, C, H, W), volume batch (N, C, D, H, W) or sequence batch
+    (N, C, L).
 
     gm: the whole analysed graph (its first placeholder is the model input); grid: the tile
     grid of a spatial plan."""
     x = next((n for n in gm.graph.nodes if n.op == "placeholder"), None)
     info = meta.find(x, TensorInfo) if x is not None else None
-    if info is None or len(info.shapes) != 1 or len(info.shapes[0]) not in (4, 5):
+    if info is None or len(info.shapes) != 1 or len(info.shapes[0]) not in SPATIAL_RANKS:
         return None
     image = Rect.whole(info.shapes[0][2:])
     plan = rank_map.plan

@@ -94,8 +94,8 @@ class Rect:
         return Rect(*((a - o, b - o) for (a, b), o in zip(self.dims, origin, strict=True)))
 
     def __str__(self) -> str:
-        names = DIM_NAMES[-self.ndim:] if self.ndim <= len(DIM_NAMES) else \
-            tuple(f"dim{i}" for i in range(self.ndim))
+        names = ("L",) if self.ndim == 1 else DIM_NAMES[-self.ndim:] \
+            if self.ndim <= len(DIM_NAMES) else tuple(f"dim{i}" for i in range(self.ndim))
         return " ".join(f"{n} {a}:{b}" for n, (a, b) in zip(names, self.dims, strict=True))
 
     def __repr__(self) -> str:
@@ -103,7 +103,8 @@ class Rect:
 
 
 DIM_NAMES = ("depth", "rows", "cols")
-"""What the spatial dims are called in messages (a volume's three, an image's last two)."""
+"""What the spatial dims are called in messages (a volume's three, an image's last two; a
+sequence's one is L)."""
 
 
 @dataclass(frozen=True, init=False)
@@ -267,8 +268,8 @@ class Exchange:
 
 def piece_kinds(ndim: int) -> tuple[str, ...]:
     """Names of halo pieces beyond a tile along 1, 2, ... dims: a volume's faces, edges and
-    corners; an image's sides and corners."""
-    return ("side", "corner") if ndim == 2 else ("face", "edge", "corner")[:max(ndim, 1)]
+    corners; an image's sides and corners; a sequence's sides."""
+    return ("side", "corner")[:max(ndim, 1)] if ndim <= 2 else ("face", "edge", "corner")
 
 
 def wrap_pieces(need: Rect, extent: tuple[int, ...]) -> list[Rect]:

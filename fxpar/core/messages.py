@@ -135,8 +135,9 @@ def tag_uses(plan: Plan, transfers: int, halo: dict[int, int]) -> TagUses:
         f"fewer micro-batches, or cuts that fewer tensors cross (Plan.balance, fewer stages)")}
     for s, tag in sorted(halo.items()):
         uses[f"halo exchanges of stage {s}"] = (
-            tag, "two tags per halo exchange or join of the tile module: spread the spatial "
-            "region over more stages (Plan.spatial_stages), each with fewer windowed ops")
+            tag, "two tags per halo exchange, ring attention or join of the tile module: "
+            "spread the spatial region over more stages (Plan.spatial_stages), each with fewer "
+            "windowed ops")
     groups = plan.stages + (plan.data_parallel * plan.copies * plan.spatial_stages
                             if plan.spatial else 0)
     uses["communicator creation"] = (groups - 1, "one tag per stage group and tile group")

@@ -82,11 +82,12 @@ class Plan:
     (split H), a "square" grid of rows x cols = spatial_parts as close to square as possible;
     for volumes also "slab" (split the depth D), "pencil" (D x H, as square as possible) and
     "cube" (D x H x W, as even as possible). On an image "slab" is "horizontal", and "pencil"
-    and "cube" are "square". [--slice-method]"""
+    and "cube" are "square". A sequence (N, C, L) has one spatial dim: every slice cuts L into
+    spatial_parts tiles, the one grid there is. [--slice-method]"""
     grid: tuple[int, ...] | None = None
     """An explicit process grid instead of ``slice``: tiles per spatial dim, e.g. (2, 2, 2)
-    for a volume (D, H, W) or (2, 4) for an image (H, W); spatial_parts is their product
-    (give it or leave it at 1)."""
+    for a volume (D, H, W), (2, 4) for an image (H, W) or (4,) for a sequence (L);
+    spatial_parts is their product (give it or leave it at 1)."""
     spatial_stages: int = 1
     """How many leading stages run spatially (used only when spatial_parts > 1).
     [--spatial-size]"""
@@ -232,7 +233,7 @@ class Plan:
             if not self.grid or len(self.grid) > 3 or any(
                     isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in self.grid):
                 out.append(f"Plan.grid must hold 1 to 3 integers >= 1, one per spatial dim "
-                           f"(e.g. (2, 2, 2) for D x H x W), got {self.grid!r}")
+                           f"(e.g. (2, 2, 2) for D x H x W, (4,) for L), got {self.grid!r}")
             elif ok and math.prod(self.grid) != self.spatial_parts:
                 out.append(f"Plan.grid={self.grid} makes {math.prod(self.grid)} tiles but "
                            f"spatial_parts={self.spatial_parts}: give one of them, or make "
@@ -282,15 +283,19 @@ class Plan:
 
     def tile_grid(self, ndim: int = 2) -> tuple[int, ...]:
         """Tiles along each of ``ndim`` spatial dims ((rows, cols) for an image, (depth, rows,
-        cols) for a volume): how many parts each dim is cut into. Raises PlanError when an
-        explicit ``grid`` has another number of dims."""
+        cols) for a volume, (parts,) along L for a sequence, whatever ``slice`` says): how many
+        parts each dim is cut into. Raises PlanError when an explicit ``grid`` has another
+        number of dims."""
         p = self.spatial_parts
         if self.grid is not None:
             if len(self.grid) != ndim:
-                kind = {2: "an image (H, W)", 3: "a volume (D, H, W)"}.get(ndim, f"{ndim} dims")
+                kind = {1: "a sequence (L)", 2: "an image (H, W)",
+                        3: "a volume (D, H, W)"}.get(ndim, f"{ndim} dims")
                 raise PlanError(f"Plan.grid={self.grid} has {len(self.grid)} dims but the "
                                 f"input is {kind}: give one tile count per spatial dim")
             return self.grid
+        if ndim == 1:  # a sequence: one dim to cut, whichever slice
+            return (p,)
         split = {"horizontal": (ndim - 2,), "vertical": (ndim - 1,), "square": (ndim - 2,
                                                                                ndim - 1),
                  "slab": (0,), "pencil": (0, 1),

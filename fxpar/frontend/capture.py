@@ -39,7 +39,7 @@ import linecache
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -136,11 +136,26 @@ def capture(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
     with lazy_code():
         gm = normalize(ep.module(), type(model).__name__)
     gm.train(model.training)
+    _not_state(gm, ep.constants)
     gm.meta[MODEL_KEYS] = ModelKeys.of(model)  # the names export keeps only one of
     for m in gm.modules():  # the mode each op was captured in (a frozen BatchNorm stays so)
         if isinstance(m, (BatchNormOp, DropoutOp)):
             m.train(m.captured_training)
     return gm
+
+
+def _not_state(gm: fx.GraphModule, constants: Iterable[str]) -> None:
+    """Tensors export lifted out of the forward (the constants MONAI's SwinUNETR builds its
+    shifted-window mask from) and the model's non-persistent buffers are read by the graph but
+    are not the model's state: they stay out of ``state_dict`` as on one process."""
+    for path in constants:
+        *parents, leaf = str(path).split(".")
+        try:
+            owner = gm.get_submodule(".".join(parents))
+        except AttributeError:
+            continue
+        if leaf in owner._buffers:
+            owner._non_persistent_buffers_set.add(leaf)
 
 
 _NOISY = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes",

@@ -15,7 +15,11 @@ Communication: a spatial stage's halo exchanges (every windowed node of the regi
 messages and bytes of the tile with the most neighbours, ``exchange`` geometry) and its norm
 statistics (one allgather per BatchNorm / GroupNorm), each with the runtime's cost of a tile
 op (``Profile.tile_op``: fixed, plus the tile's bytes at ``tile_op_bytes``; CPU work, so
-slowed down like compute on a shared core), add to its F and B; a pipeline message
+slowed down like compute on a shared core), add to its F and B; so do its attentions over
+the tiles (fxpar.perf.attention_comm: ring attention's K and V blocks, and in backward their
+dK and dV too, one latency per message and the bytes one after another; gathered attention's
+allreduces, ``ceil(log2 P)`` rounds of their buffer each), whose bytes (with the halos')
+``StageSeconds`` records per direction; a pipeline message
 costs ``alpha + beta * bytes`` on the link between the two ranks; ALLREDUCE is a ring over the
 ranks holding the same stages, 2 (g - 1) steps of ``bytes / g``; STEP reads and writes the
 parameters, gradients and optimizer state once (memory-bound).
@@ -38,6 +42,7 @@ from fxpar.core.stages import links_of
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, Window, classify
 from fxpar.passes.spatial_region import SpatialLayout, image_grid, window_need
 from fxpar.passes.split_stages import StageAssignment, compute_nodes
+from fxpar.perf.attention_comm import attention_traffic
 from fxpar.perf.profile import Profile
 from fxpar.perf.simulate import SimResult, StageSeconds, Timing, simulate
 
@@ -206,10 +211,12 @@ def halo_seconds(gm: fx.GraphModule, n: fx.Node, grid: Grid, tile: int,
     the intra-node link (tiles of a stage sit next to each other), in parallel (the largest
     message's bytes) after one latency each."""
     count, largest, _ = halo_messages(gm, n, grid, tile)
-    if not count:
-        return 0.0
+    return _halo_time(count, largest, profile)
+
+
+def _halo_time(count: int, largest: int, profile: Profile) -> float:
     link = profile.p2p_intra
-    return count * link.alpha + largest * link.beta
+    return count * link.alpha + largest * link.beta if count else 0.0
 
 
 def stage_seconds(program: Program, profile: Profile) -> dict[int, StageSeconds]:
@@ -223,7 +230,9 @@ def stage_seconds(program: Program, profile: Profile) -> dict[int, StageSeconds]
     tile = _middle_tile(grid) if grid is not None else 0
     comp = {s: 0.0 for s in range(plan.stages)}
     back = {s: 0.0 for s in range(plan.stages)}
-    comm = {s: 0.0 for s in range(plan.stages)}
+    comm = {s: 0.0 for s in range(plan.stages)}  # both directions
+    att_f, att_b = dict.fromkeys(comp, 0.0), dict.fromkeys(comp, 0.0)  # attention's, each
+    sent_f, sent_b = dict.fromkeys(comp, 0), dict.fromkeys(comp, 0)
     for n in compute_nodes(gm):
         s = meta.get(n, StageAssignment).stage
         lay = meta.find(n, SpatialLayout)
@@ -233,8 +242,19 @@ def stage_seconds(program: Program, profile: Profile) -> dict[int, StageSeconds]
         f, b = node_times(n, profile, share, norm)
         comp[s] += f
         back[s] += b
+        if grid is not None and plan.group_size(s) > 1:
+            traffic = attention_traffic(gm, n, grid, tile)
+            if traffic is not None:
+                fwd, bwd = traffic
+                att_f[s] += fwd.seconds(profile.p2p_intra, profile.allreduce_intra, grid.size)
+                att_b[s] += bwd.seconds(profile.p2p_intra, profile.allreduce_intra, grid.size)
+                sent_f[s] += fwd.nbytes
+                sent_b[s] += bwd.nbytes
         if tiled and grid is not None:
-            halo = halo_seconds(gm, n, grid, tile, profile)
+            count, largest, received = halo_messages(gm, n, grid, tile)
+            halo = _halo_time(count, largest, profile)
+            sent_f[s] += received  # the middle tile sends about what it receives
+            sent_b[s] += received
             if halo or norm:  # the runtime's work: at the rank's (shared) core speed
                 comm[s] += halo + profile.slowdown(program.world_size) * profile.tile_op(
                     _tile_bytes(n, share))
@@ -242,8 +262,9 @@ def stage_seconds(program: Program, profile: Profile) -> dict[int, StageSeconds]
                 link = profile.allreduce_intra
                 comm[s] += math.ceil(math.log2(grid.size)) * link.alpha
     slow = profile.slowdown(program.world_size)
-    return {s: StageSeconds(slow * comp[s] + comm[s], slow * back[s] + comm[s],
-                            comm[s], comm[s])
+    return {s: StageSeconds(slow * comp[s] + comm[s] + att_f[s],
+                            slow * back[s] + comm[s] + att_b[s],
+                            comm[s] + att_f[s], comm[s] + att_b[s], sent_f[s], sent_b[s])
             for s in range(plan.stages)}
 
 

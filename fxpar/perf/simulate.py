@@ -33,12 +33,18 @@ _MATCH = {"RECV_F": "SEND_F", "RECV_B": "SEND_B"}
 @dataclass(frozen=True)
 class StageSeconds:
     """One chunk (micro-batch) through one rank of a stage: forward and backward seconds, and
-    the communication inside them (halos, statistics) for the record."""
+    the communication inside them (halos, statistics, attention over the tiles) for the
+    record."""
 
     f: float
     b: float
     comm_f: float = 0.0
     comm_b: float = 0.0
+    sent_f: int = 0
+    """Bytes the rank's messages inside F carry: halo pieces, ring attention's blocks, the
+    buffers of attention's allreduces (norm statistics are not counted)."""
+    sent_b: int = 0
+    """The same inside B (ring attention's backward also sends every block's dK and dV)."""
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,9 @@ class AutoPlan:
     profile_note: str = ""
     """Where the profile came from, for the report (fxpar-run --plan auto: measured on this
     machine now, cached, or given by --profile); "" says nothing."""
+    spatial_dims: int = 2
+    """The input's spatial dims (1: a sequence, 2: an image, 3: a volume): how the report
+    writes the tile grids."""
 
     def report(self, top: int = 8) -> str:
         """The top plans with predicted step and memory, then the rejected ones by reason."""
@@ -79,7 +82,7 @@ class AutoPlan:
                  f"{self.seconds[2]:.2f} s)",
                  f"  {'#':>3}  {'plan':<44} {'step s':>10} {'bubble':>7} {'memory/rank':>12}"]
         for i, e in enumerate(self.ranked[:top], 1):
-            lines.append(f"  {i:>3}  {describe(e.plan):<44} {e.step_s:>10.4g} "
+            lines.append(f"  {i:>3}  {describe(e.plan, self.spatial_dims):<44} {e.step_s:>10.4g} "
                          f"{e.bubble:>7.1%} {nbytes(e.memory):>12}")
         if len(self.ranked) > top:
             lines.append(f"  ... {len(self.ranked) - top} more that fit")
@@ -89,19 +92,21 @@ class AutoPlan:
         if kinds:
             lines.append("rejected:")
         for kind, rs in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
-            lines.append(f"  {len(rs):>5} {kind}: e.g. {describe(rs[0].plan)}: {rs[0].reason}")
-        lines.append(f"chosen: {describe(self.plan)}")
+            lines.append(f"  {len(rs):>5} {kind}: e.g. {describe(rs[0].plan, self.spatial_dims)}: "
+                         f"{rs[0].reason}")
+        lines.append(f"chosen: {describe(self.plan, self.spatial_dims)}")
         lines.append(f"  fxpar-run flags: {flags(self.plan)}")
         return "\n".join(lines)
 
 
-def describe(plan: Plan) -> str:
+def describe(plan: Plan, spatial_dims: int | None = None) -> str:
     """A short name: ``SP4(2x2)x1+PP3 m4 1f1b GEMS DP2 recompute=always`` (``x1``: spatial
-    stages), ``DP4``, ``1 rank``."""
+    stages), ``DP4``, ``1 rank``. ``spatial_dims``: the input's (None: guessed from the plan,
+    a volume's slices or else an image)."""
     parts = []
     if plan.spatial:
-        ndim = len(plan.grid) if plan.grid else 3 if plan.slice in ("slab", "pencil",
-                                                                      "cube") else 2
+        ndim = len(plan.grid) if plan.grid else spatial_dims if spatial_dims else \
+            3 if plan.slice in ("slab", "pencil", "cube") else 2
         grid = "x".join(map(str, plan.tile_grid(ndim)))
         parts.append(f"SP{plan.spatial_parts}({grid})x{plan.spatial_stages}")
     if plan.stages > 1:
@@ -237,7 +242,7 @@ def plan_auto(model: nn.Module, example: torch.Tensor | tuple[int, ...], world_s
         chosen = _checked(model, shape, chosen)
     seconds = (t1 - t0, t2 - t1, time.perf_counter() - t2)
     return AutoPlan(chosen, ranked, tuple(rejected), len(plans) + len(rejected), seconds,
-                    world_size, memory_per_rank, prof.name)
+                    world_size, memory_per_rank, prof.name, spatial_dims=len(shape) - 2)
 
 
 def _cost(table: ModelTable, plans: list[Plan], budget: int | None

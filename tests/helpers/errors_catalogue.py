@@ -295,11 +295,11 @@ CATALOGUE: list[Entry] = [
           meta_model),
     # spatial
     Entry("spatial-not-4d", "spatial", "spatial_parts > 1 for a model whose input is neither an "
-          "image nor a volume", PlanError, r"splits the spatial dims of an image \(N, C, H, W\) "
-          r"or a volume", "Set spatial_parts=1: stages, microbatches, gems and data_parallel "
-          "work on any input.",
-          lambda: build(Plan(spatial_parts=2), shape=(4, 3, 16),
-                           model=nn.Sequential(nn.Conv1d(3, 4, 3), nn.Flatten()))),
+          "image, a volume nor a sequence", PlanError, r"splits the spatial dims of an image "
+          r"\(N, C, H, W\), a volume", "Set spatial_parts=1: stages, microbatches, gems and "
+          "data_parallel work on any input.",
+          lambda: build(Plan(spatial_parts=2), shape=(4, 16),
+                           model=nn.Sequential(nn.Linear(16, 4), nn.ReLU()))),
     Entry("spatial-image-too-small", "spatial", "the image has fewer rows or columns than "
           "the tile grid", PlanError, r"use an image of at least",
           "Use a larger image, fewer spatial_parts, or another slice (the message gives the "

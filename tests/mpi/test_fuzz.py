@@ -2,19 +2,24 @@
 process (loss, every gradient, parameters after 2 SGD steps, BatchNorm buffers, the eval
 forward; float64, tests/helpers/transparency.py), checked under a real ``mpiexec`` on 4 ranks.
 
-hypothesis draws a model (tests/helpers/fuzz/graphs.py: convs with random kernel / stride / padding
-/ dilation / groups, max and avg pools with ceil_mode and padding, BatchNorm, group and
+hypothesis draws a model (tests/helpers/fuzz/graphs.py: convs with random kernel / stride /
+padding / dilation / groups, max and avg pools with ceil_mode and padding, BatchNorm, group and
 instance norm, ReLU, residual adds, channel concats across branches, earlier values and
 globally pooled branches, upsampling and interpolation, padding, channels-last blocks,
-adaptive pooling; odd and non-square images; a classifier head, or a segmentation head
-trained with a per-pixel mean, ``ignore_index``, a soft Dice or a masked mean) and a plan of up
-to 4 ranks (spatial parts, slicing, spatial stages, stages, balance, micro-batches, schedule
-(zero-bubble and interleaved included), GEMS and its rounds, data parallelism). A plan that
-``fxpar.compile`` rejects for that model with a PlanError (image too small for the tiles, a
-spatial stage without tiled work) is a legitimate rejection,
-counted; any other error, and any difference from the one-process result, fails and shrinks
-to a small example. Every example runs in one persistent ``mpiexec`` pool
-(tests/helpers/fuzz/pool.py).
+adaptive pooling; token blocks (tests/helpers/fuzz/tokens.py: per-token MLP and LayerNorm,
+global attention through SDPA or written out with random heads, a class token's cross
+attention, linear attention, a learned position embedding); odd and non-square images; a
+classifier head, or a segmentation head trained with a per-pixel mean, ``ignore_index``, a soft
+Dice or a masked mean) and a plan of up to 4 ranks (spatial parts, slicing, spatial stages,
+stages, balance, micro-batches, schedule (zero-bubble and interleaved included), GEMS and its
+rounds, data parallelism). A plan that ``fxpar.compile`` rejects for that model with a
+PlanError (image too small for the tiles, a spatial stage without tiled work, a cut inside a
+token block) is a legitimate rejection, counted; any other error, and any difference from the
+one-process result, fails and shrinks to a small example. Every example runs in one
+persistent ``mpiexec`` pool (tests/helpers/fuzz/pool.py). A second run draws models with a
+token block in each, so that ring and gathered attention run on tiles in CI (with ring
+attention's scale 1 % off, it failed and shrank to a 2x2 patch embedding and one head of SDPA
+on 3 tiles).
 
 CI runs a fixed, derandomized set of examples (the same ones on every run). A longer run with
 fresh random examples, e.g. 1000 (300 took 80 s on 2 cores; shrinking a failure takes
@@ -32,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -45,23 +51,35 @@ from hypothesis import HealthCheck, given, note, reject, seed, settings
 from hypothesis import strategies as st
 
 import fxpar
+from fxpar.core import meta
 from fxpar.core.plan import Plan, PlanError
+from fxpar.frontend.rules.tokens import TokenLayout
+from fxpar.passes.spatial_region import Coverage
 from fxpar.passes.split_stages import compute_nodes as traced_compute_nodes
 
 CI_EXAMPLES = 40
 """Examples CI checks (with shrinking only when one fails): well under 1 s each."""
+CI_ATTENTION_EXAMPLES = 8
+"""Examples of models with a token block CI checks besides (the 40 random models drew 4 token
+blocks, none of them attention on tiles)."""
 LONG = int(os.environ.get("FXPAR_FUZZ_EXAMPLES", "0"))
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> tuple[Spec, dict[str, Any]]:
-    spec = draw(specs())
+def cases(draw: st.DrawFn, token_block: bool = False) -> tuple[Spec, dict[str, Any]]:
+    spec = draw(specs(max_blocks=2, token_block=True) if token_block else specs())
     return spec, draw(plans(spec))
 
 
-def triage(spec: Spec, plan_kw: dict[str, Any]) -> str:
+ATTENTION = {"ring": "ring attention", "gather": "gathered attention (class token)",
+             "contract": "linear attention's k^T v over the tiles"}
+"""Token actions of the tile rewrite (fxpar.passes.tile_tokens) the run counts, by what they
+are."""
+
+
+def triage(spec: Spec, plan_kw: dict[str, Any], tiled: set[str] | None = None) -> str:
     """Compile on this process (shapes only): "" if the case is to be checked, else the
-    PlanError that rejects it."""
+    PlanError that rejects it. ``tiled``: gets the :data:`ATTENTION` kinds that run on tiles."""
     shape = (spec["batch"], spec["channels"], *spec["size"])
     plan = Plan(**plan_kw)
     try:
@@ -71,6 +89,9 @@ def triage(spec: Spec, plan_kw: dict[str, Any]) -> str:
         return f"rejected by compile: {e}"
     # the strategy's node count must be the compiler's, or a drawn balance would be rejected
     assert len(traced_compute_nodes(program.traced)) == compute_nodes(spec)
+    if tiled is not None and program.spatial is not None:
+        tiled |= {ATTENTION[lay.action] for n in program.traced.graph.nodes
+                  if (lay := meta.find(n, TokenLayout)) is not None and lay.action in ATTENTION}
     return ""
 
 
@@ -97,13 +118,13 @@ def torch_bug(spec: Spec, plan_kw: dict[str, Any]) -> str:
     return ""
 
 
-def _settings() -> settings:
+def _settings(examples: int = CI_EXAMPLES) -> settings:
     common: dict[str, Any] = dict(deadline=None, database=None, print_blob=True,
                                   suppress_health_check=[HealthCheck.too_slow,
                                                          HealthCheck.data_too_large])
     if LONG:
         return settings(max_examples=LONG, **common)
-    return settings(max_examples=CI_EXAMPLES, derandomize=True, **common)
+    return settings(max_examples=examples, derandomize=True, **common)
 
 
 @pytest.fixture(scope="module")
@@ -113,17 +134,18 @@ def pool():
     p.close()
 
 
-@pytest.mark.mpi
-@pytest.mark.timeout(1800 if LONG else 600)  # only a failing example's shrinking takes long
-def test_random_cnns_and_plans_train_exactly_like_one_process(pool):
+def fuzz(pool: Pool, strategy: st.SearchStrategy, examples: int) -> Counter[str]:
+    """Check ``examples`` cases drawn from ``strategy`` on ``pool`` (shrinking the first that
+    fails); what was checked and rejected, counted (and printed)."""
     stats: Counter[str] = Counter()
     seconds: list[float] = []
 
-    @_settings()
-    @given(case=cases())
+    @_settings(examples)
+    @given(case=strategy)
     def transparent(case: tuple[Spec, dict[str, Any]]) -> None:
         spec, plan = case
-        why = triage(spec, plan) or batch_mixed(spec, plan) or torch_bug(spec, plan)
+        tiled: set[str] = set()
+        why = triage(spec, plan, tiled) or batch_mixed(spec, plan) or torch_bug(spec, plan)
         stats[why.split(":")[0] if why else "checked"] += 1
         if why:
             stats[why[:90]] += 1
@@ -133,6 +155,11 @@ def test_random_cnns_and_plans_train_exactly_like_one_process(pool):
         if spec["head"] == "seg":
             spatial = "tiled" if plan.get("spatial_parts", 1) > 1 else "whole"
             stats[f"checked with loss {spec['loss']} ({spatial} output)"] += 1
+        for node in spec["nodes"]:
+            if node["op"] == "tokens":
+                stats[f"checked with token block {node['kind']}"] += 1
+        for what in tiled:
+            stats[f"checked with {what} on tiles"] += 1
         note(f"spec = {json.dumps(spec)}\nplan = {json.dumps(plan)}")
         outcome = pool.check(spec, plan)
         seconds.append(outcome.seconds)
@@ -152,6 +179,13 @@ def test_random_cnns_and_plans_train_exactly_like_one_process(pool):
         for key, count in sorted(stats.items()):
             if ": " in key or key.startswith(("checked on", "checked with")):
                 print(f"  {count:4d}  {key}")
+    return stats
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(1800 if LONG else 600)  # only a failing example's shrinking takes long
+def test_random_cnns_and_plans_train_exactly_like_one_process(pool):
+    stats = fuzz(pool, cases(), CI_EXAMPLES)
     # most drawn plans must suit their model, or the fuzzer tests little
     assert stats["checked"] > stats["rejected by compile"], stats
     # a segmentation head's loss on tiles, other than a per-pixel mean, is drawn and checked
@@ -160,6 +194,42 @@ def test_random_cnns_and_plans_train_exactly_like_one_process(pool):
     assert stats["checked with schedule zero_bubble"] and (
         stats["checked with schedule interleaved_1f1b"] or
         stats["checked with schedule zero_bubble_v"]), stats
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(1800 if LONG else 300)
+def test_random_attention_blocks_train_exactly_like_one_process(pool):
+    """Models of 1 or 2 blocks, one of them a token block (tests/helpers/fuzz/tokens.py),
+    under random plans: ring and gathered attention run on tiles, and a block fxpar cannot
+    tile (``is_causal``) ends the spatial region instead of failing."""
+    stats = fuzz(pool, cases(token_block=True), CI_ATTENTION_EXAMPLES)
+    assert stats["checked"] > stats["rejected by compile"], stats
+    assert stats["checked with ring attention on tiles"], stats
+
+
+CAUSAL = {"seed": 1, "batch": 2, "channels": 2, "size": [9, 7], "classes": 3, "head": "seg",
+          "loss": "ce", "nodes": [
+              {"op": "conv", "src": [0], "out": 4, "k": [3, 3], "s": [1, 1], "p": [1, 1],
+               "d": [1, 1], "groups": 1, "bias": True},
+              {"op": "tokens", "src": [1], "kind": "sdpa", "heads": 2, "pos": 63, "scale": None,
+               "causal": True}]}
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_an_attention_block_fxpar_cannot_tile_ends_the_region(pool):
+    """Causal attention has no tile rule: the drawn block ends the spatial region where it
+    starts (the compiler says which op and line), the rest runs whole on every rank, and the
+    model trains exactly like one process (not an error)."""
+    plan = {"spatial_parts": 2, "slice": "vertical"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the coverage warning: half the work is on tiles
+        program = fxpar.compile(build(CAUSAL).double(), Plan(**plan),
+                                torch.empty((2, 2, 9, 7), dtype=torch.float64, device="meta"))
+    ended = program.traced.meta[Coverage.KEY].ended
+    assert "(TokenBlock)" in ended and "cannot run on tiles" in ended, ended
+    outcome = pool.check(CAUSAL, plan, timeout=60)
+    assert outcome.passed, outcome.report
 
 
 RELUS = {"seed": 0, "batch": 2, "channels": 3, "size": [23, 13], "classes": 2, "head": "gap",

@@ -149,7 +149,10 @@ def test_after_region_passes_show_the_spatial_layout(capsys, net):
     assert rows["conv2d"].rstrip().endswith("tiled")
     assert rows["conv2d_1"].rstrip().endswith("tiled")
     assert re.search(r"replicated \(region ends at 'flatten': aten.flatten \(module '5' "
-                     r"\(Flatten\), torch/nn/modules/flatten.py:\d+\) cannot run on tiles\)",
+                     r"\(Flatten\), torch/nn/modules/flatten.py:\d+\) cannot run on tiles; "
+                     r"the token block it starts stops at aten.linear \(module '6' \(Linear\).*: "
+                     r"it acts "
+                     r"along a dim that is split over the tiles\)",
                      rows["flatten"])
     rc, out, _ = cli(capsys, *spatial(net, "--after", "limit_region"))
     assert rc == 0 and "stage, layout" in out.splitlines()[2]

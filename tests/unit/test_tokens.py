@@ -107,3 +107,44 @@ def test_grn_vector_norm_over_h_and_w_stays_spatial(parts):
 
     gm = _traced(GRN(), (1, 3, 8, 8), parts)
     assert gm.meta[Coverage.KEY].share == 1.0 and not gm.meta[Coverage.KEY].ended
+
+
+class Windows(nn.Module):
+    """Swin's window partition and reverse on (N, H, W, C), attention inside each window."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__()
+        self.w = window
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.qkv = nn.Linear(4, 12)
+
+    def forward(self, x):
+        x = self.stem(x)
+        n, c, h, w = x.shape
+        s = self.w
+        t = torch.roll(x.permute(0, 2, 3, 1), shifts=(-1, -1), dims=(1, 2))
+        win = t.view(n, h // s, s, w // s, s, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, s * s, c)
+        q, k, v = self.qkv(win).chunk(3, dim=-1)
+        win = ((q @ k.transpose(-2, -1)) * 0.5).softmax(-1) @ v
+        t = win.view(n, h // s, w // s, s, s, c).permute(0, 1, 3, 2, 4, 5).reshape(n, h, w, c)
+        return torch.roll(t, shifts=(1, 1), dims=(1, 2)).permute(0, 3, 1, 2)
+
+
+def test_windows_that_tiles_hold_whole_are_attention_on_each_tile():
+    gm = _traced(Windows(2), (1, 3, 8, 8), parts=4)
+    assert gm.meta[Coverage.KEY].share == 1.0
+    nodes = _by_name(gm)
+    cut = meta.get(nodes["view"], TokenLayout)  # window index and position inside a window
+    assert cut.layout == ((), ((0, 4),), ((-2, 2),), ((1, 4),), ((-3, 2),), ())
+    rolls = [meta.get(n, TokenLayout) for n in gm.graph.nodes if "roll" in n.name]
+    assert [r.action for r in rolls] == ["roll", "roll"]
+    assert not any(r.action == "ring" for r in (meta.find(n, TokenLayout)
+                                                for n in gm.graph.nodes) if r)
+
+
+def test_windows_that_cross_the_tiles_edges_end_the_region_with_the_reason():
+    gm = _traced(Windows(4), (1, 3, 12, 12), parts=2)  # 6-column tiles, windows of 4
+    assert gm.meta[Coverage.KEY].share < 0.5
+    assert "windows of 4 cells along a dim of 12 cross the tiles' edges (2 tiles)" in \
+        gm.meta[Coverage.KEY].ended
+    assert not any(meta.find(n, TokenLayout) for n in gm.graph.nodes)

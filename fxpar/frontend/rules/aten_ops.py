@@ -31,7 +31,15 @@ from torch import fx
 from fxpar.core import meta
 from fxpar.core.geometry import per_dim
 from fxpar.core.meta import TensorInfo
-from fxpar.frontend.rules.opkind import BatchNorm, Norm, Op, Pointwise, Reduce, Window
+from fxpar.frontend.rules.opkind import (
+    SPATIAL_RANKS,
+    BatchNorm,
+    Norm,
+    Op,
+    Pointwise,
+    Reduce,
+    Window,
+)
 from fxpar.frontend.rules.pointwise import POINTWISE as POINTWISE  # re-exported: islands
 from fxpar.frontend.rules.wrap import roll_window
 from fxpar.runtime.modules import BatchNormOp, DropoutOp
@@ -126,11 +134,23 @@ def why_not_aten(n: fx.Node) -> str:
     return f"fxpar has no tiling rule for aten.{name}, so it never guesses"
 
 
+POOL_DIMS = {aten.max_pool1d: 1, aten.max_pool2d: 2, aten.max_pool3d: 3}
+"""Max pools on tiles, and the spatial dims each pools over."""
+AVG_POOL_DIMS = {aten.avg_pool1d: 1, aten.avg_pool2d: 2, aten.avg_pool3d: 3}
+"""Average pools on tiles, and their spatial dims."""
+UPSAMPLES = {aten.upsample_nearest1d: ("nearest", 1), aten.upsample_linear1d: ("bilinear", 1),
+             aten.upsample_nearest2d: ("nearest", 2), aten.upsample_bilinear2d: ("bilinear", 2),
+             aten.upsample_nearest3d: ("nearest", 3),
+             aten.upsample_trilinear3d: ("bilinear", 3)}
+"""Interpolations on tiles: mode (linear and trilinear are bilinear along each of their one or
+three dims) and dims."""
+
+
 # -- the rules, one entry per op --------------------------------------------------------------
 rule(*POINTWISE)(lambda _n: Pointwise())
 
 
-@rule(aten.cat, refusal="it concatenates along a spatial dim (D, H or W): tiles can only be "
+@rule(aten.cat, refusal="it concatenates along a spatial dim (D, H, W or L): tiles can only be "
                         "concatenated along the batch or channel dims")
 def _cat(n: fx.Node) -> Op | None:
     out = _shape(n)
@@ -164,7 +184,7 @@ def _channels(n: fx.Node, dim_at: int) -> Op | None:
     """Per pixel when the op's dim (argument ``dim_at``) is the batch or channel dim."""
     x = _shape(n.args[0])
     dim = arg(n, dim_at, 0)
-    return Pointwise() if x is not None and len(x) in (4, 5) and dim % len(x) in (0, 1) \
+    return Pointwise() if x is not None and len(x) in SPATIAL_RANKS and dim % len(x) in (0, 1) \
         else None
 
 
@@ -174,7 +194,7 @@ def _expand_as(n: fx.Node) -> Op | None:
 
 
 @rule(aten.sum, aten.mean, aten.amax,
-      refusal="only reductions over exactly the spatial dims (H and W, or D, H and W), or over "
+      refusal="only reductions over exactly the spatial dims (H and W; D, H and W; or L), or over "
               "the channel dim with keepdim=True, run on tiles")
 def _reduce(n: fx.Node) -> Op | None:
     return _reduction(n, REDUCTIONS[n.target.overloadpacket])
@@ -189,8 +209,8 @@ def _vector_norm(n: fx.Node) -> Op | None:
     MedNeXt's global response norm); over the channels per pixel (opclass.classify)."""
     x, ord = _shape(n.args[0]), arg(n, 1, 2)
     dims = arg(n, 2, None)
-    if x is None or len(x) not in (4, 5) or dims is None or arg(n, 4, None) is not None or \
-            not isinstance(ord, (int, float)) or not ord >= 1:
+    if x is None or len(x) not in SPATIAL_RANKS or dims is None or \
+            arg(n, 4, None) is not None or not isinstance(ord, (int, float)) or not ord >= 1:
         return None
     dims = sorted(d % len(x) for d in ([dims] if isinstance(dims, int) else dims))
     if dims != list(range(2, len(x))):
@@ -198,7 +218,7 @@ def _vector_norm(n: fx.Node) -> Op | None:
     return Reduce("norm", bool(arg(n, 3, False)), (1,) * (len(x) - 2), float(ord))
 
 
-@rule(aten.conv2d, aten.conv3d,
+@rule(aten.conv1d, aten.conv2d, aten.conv3d,
       refusal=lambda n: "padding given as a string ('same'): give the padding as numbers"
       if isinstance(arg(n, 4, 0), str) else "fxpar has no tiling rule for this convolution")
 def _conv(n: fx.Node) -> Op | None:
@@ -212,12 +232,12 @@ def _conv(n: fx.Node) -> Op | None:
                   per_dim(arg(n, 5, 1), nd))
 
 
-@rule(aten.convolution, refusal="only 2-D and 3-D convolutions run on tiles")
+@rule(aten.convolution, refusal="only 1-D, 2-D and 3-D convolutions run on tiles")
 def _convolution_rule(n: fx.Node) -> Op | None:
     return _convolution(n)
 
 
-@rule(aten.conv_transpose2d, aten.conv_transpose3d,
+@rule(aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d,
       refusal="a transposed convolution whose stride skips output rows no tap reaches is "
               "not tiled")
 def _conv_transpose(n: fx.Node) -> Op | None:
@@ -228,18 +248,19 @@ def _conv_transpose(n: fx.Node) -> Op | None:
                        per_dim(arg(n, 5, 0), nd), per_dim(arg(n, 7, 1), nd))
 
 
-@rule(aten.max_pool2d, aten.max_pool3d)
+@rule(*POOL_DIMS)
 def _max_pool(n: fx.Node) -> Op | None:
-    nd = 2 if n.target.overloadpacket is aten.max_pool2d else 3
+    nd = POOL_DIMS[n.target.overloadpacket]
     k, s = per_dim(arg(n, 1, None), nd), arg(n, 2, None)
     return Window("maxpool", k, per_dim(s, nd) if s else k, per_dim(arg(n, 3, 0), nd),
                   per_dim(arg(n, 4, 1), nd), fill=-math.inf,
                   attrs=(("ceil_mode", bool(arg(n, 5, False))),))
 
 
-@rule(aten.avg_pool2d, aten.avg_pool3d)
+@rule(*AVG_POOL_DIMS)
 def _avg_pool(n: fx.Node) -> Op | None:
-    nd = 2 if n.target.overloadpacket is aten.avg_pool2d else 3
+    """avg_pool1d has no ``divisor_override`` (argument 6): absent, it reads as None."""
+    nd = AVG_POOL_DIMS[n.target.overloadpacket]
     k, s = per_dim(arg(n, 1, None), nd), arg(n, 2, None)
     return Window("avgpool", k, per_dim(s, nd) if s else k, per_dim(arg(n, 3, 0), nd),
                   (1,) * nd, attrs=(("ceil_mode", bool(arg(n, 4, False))),
@@ -247,9 +268,10 @@ def _avg_pool(n: fx.Node) -> Op | None:
                                     ("divisor_override", arg(n, 6, None))))
 
 
-@rule(aten.constant_pad_nd, aten.pad, aten.reflection_pad2d, aten.reflection_pad3d,
-      aten.replication_pad2d, aten.replication_pad3d, aten._pad_circular,
-      refusal="only padding of the spatial dims of an image or volume runs on tiles "
+@rule(aten.constant_pad_nd, aten.pad, aten.reflection_pad1d, aten.reflection_pad2d,
+      aten.reflection_pad3d, aten.replication_pad1d, aten.replication_pad2d,
+      aten.replication_pad3d, aten._pad_circular,
+      refusal="only padding of the spatial dims (of an image, volume or sequence) runs on tiles "
               "(constant, reflect, replicate or circular); reflect, replicate and circular "
               "padding of the channel or batch dims does not, nor circular padding by a "
               "negative amount")
@@ -258,19 +280,18 @@ def _padding(n: fx.Node) -> Op | None:
 
 
 @rule(aten.roll, refusal="torch.roll without dims rolls the flattened tensor, which mixes "
-                         "the channel and spatial dims; give dims (any of N, C, D, H, W) and "
-                         "it runs on tiles")
+                         "the channel and spatial dims; give dims (any of N, C and the "
+                         "spatial dims) and it runs on tiles")
 def _roll(n: fx.Node) -> Op | None:
     x = _shape(n.args[0])
-    if x is None or len(x) not in (4, 5):
+    if x is None or len(x) not in SPATIAL_RANKS:
         return None
     return roll_window(x, arg(n, 1, []), arg(n, 2, []), tuple(range(2, len(x))))
 
 
-@rule(aten.upsample_nearest2d, aten.upsample_bilinear2d, aten.upsample_nearest3d,
-      aten.upsample_trilinear3d,
-      refusal="only nearest, bilinear and trilinear interpolation of the spatial dims run on "
-              "tiles")
+@rule(*UPSAMPLES,
+      refusal="only nearest, linear, bilinear and trilinear interpolation of the spatial dims "
+              "run on tiles")
 def _interpolate(n: fx.Node) -> Op | None:
     return _upsample(n)
 
@@ -289,12 +310,12 @@ def _instance_norm(n: fx.Node) -> Op | None:
     return Norm(x[1], float(arg(n, 7, 1e-5)), 1, 2)
 
 
-@rule(aten.adaptive_avg_pool2d, aten.adaptive_avg_pool3d)
+@rule(aten.adaptive_avg_pool1d, aten.adaptive_avg_pool2d, aten.adaptive_avg_pool3d)
 def _adaptive_avg(n: fx.Node) -> Op | None:
     return _adaptive(n)
 
 
-@rule(aten.adaptive_max_pool2d, aten.adaptive_max_pool3d,
+@rule(aten.adaptive_max_pool1d, aten.adaptive_max_pool2d, aten.adaptive_max_pool3d,
       refusal="adaptive max pooling runs on tiles when only its values are read; here its "
               "indices (return_indices=True) are used too")
 def _adaptive_max(n: fx.Node) -> Op | None:
@@ -304,7 +325,7 @@ def _adaptive_max(n: fx.Node) -> Op | None:
     (fxpar.frontend.rules.chains rewrites it at capture). The op returns (values, indices):
     the graph must read only the values (``getitem`` 0)."""
     x = _shape(n.args[0])
-    if x is None or len(x) not in (4, 5) or any(
+    if x is None or len(x) not in SPATIAL_RANKS or any(
             u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in n.users):
         return None
     return Reduce("maxbins", True, per_dim(arg(n, 1, None), len(x) - 2))
@@ -328,19 +349,16 @@ def _pixel_shuffle(n: fx.Node) -> Op | None:
 _LAYOUT_OPS = ("view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",
                "linear", "matmul", "bmm", "select", "expand", "unfold")
 refuse(*(getattr(aten, name) for name in _LAYOUT_OPS),
-       refusal=lambda n: f"aten.{n.target.overloadpacket.__name__} changes or indexes the H/W "
-                         f"layout; fxpar only tiles known ops")
+       refusal=lambda n: f"aten.{n.target.overloadpacket.__name__} leaves the (N, C, H, W) "
+                         f"layout; the ops after it run on tiles only as a block whose every "
+                         f"op has a token-layout rule (fxpar.frontend.rules.tokens)")
 
 
-UPSAMPLES = {aten.upsample_nearest2d: ("nearest", 2), aten.upsample_bilinear2d: ("bilinear", 2),
-             aten.upsample_nearest3d: ("nearest", 3),
-             aten.upsample_trilinear3d: ("bilinear", 3)}
-"""Interpolations on tiles: mode (trilinear is bilinear along each of three dims) and dims."""
 
 
 def _spatial_slice(n: fx.Node) -> bool:
     x = _shape(n.args[0])
-    return x is not None and len(x) in (4, 5) and arg(n, 1, 0) % len(x) >= 2
+    return x is not None and len(x) in SPATIAL_RANKS and arg(n, 1, 0) % len(x) >= 2
 
 
 def _reduction(n: fx.Node, kind: str) -> Op | None:
@@ -348,8 +366,8 @@ def _reduction(n: fx.Node, kind: str) -> Op | None:
     over the channel dim with ``keepdim`` per pixel; anything else is not tiled."""
     x = _shape(n.args[0])
     dims = arg(n, 1, None)
-    if x is None or len(x) not in (4, 5) or dims is None or n.target in (aten.sum.default,
-                                                                           aten.mean.default):
+    if x is None or len(x) not in SPATIAL_RANKS or dims is None or \
+            n.target in (aten.sum.default, aten.mean.default):
         return None  # a reduction over everything
     dims = sorted(d % len(x) for d in ([dims] if isinstance(dims, int) else dims))
     keepdim = bool(arg(n, 2, False))
@@ -363,7 +381,7 @@ def _reduction(n: fx.Node, kind: str) -> Op | None:
 def _convolution(n: fx.Node) -> Op | None:
     w = _shape(n.args[1])
     assert w is not None
-    if len(w) not in (4, 5):
+    if len(w) not in SPATIAL_RANKS:
         return None
     nd = len(w) - 2
     stride, padding, dilation = (per_dim(arg(n, i, 1 if i != 4 else 0), nd) for i in (3, 4, 5))
@@ -387,7 +405,8 @@ def _transposed(k: tuple[int, ...], s: tuple[int, ...], p: tuple[int, ...],
     return Window("convT", k, s, p, d, attrs=(("output_padding", output_padding),))
 
 
-PAD_MODES = {aten.reflection_pad2d: "reflect", aten.reflection_pad3d: "reflect",
+PAD_MODES = {aten.reflection_pad1d: "reflect", aten.reflection_pad2d: "reflect",
+             aten.reflection_pad3d: "reflect", aten.replication_pad1d: "replicate",
              aten.replication_pad2d: "replicate", aten.replication_pad3d: "replicate",
              aten._pad_circular: "circular"}
 
@@ -401,7 +420,7 @@ def _pad(n: fx.Node) -> Op | None:
     x, out = _shape(n.args[0]), _shape(n)
     if not any(pad):
         return Pointwise()  # padding by nothing (MONAI's UpCat when the sizes already match)
-    if x is None or out is None or len(x) not in (4, 5):
+    if x is None or out is None or len(x) not in SPATIAL_RANKS:
         return None
     nd = len(x) - 2
     pairs = [(pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)]  # last dim first
@@ -430,7 +449,7 @@ def _crop(n: fx.Node) -> Op | None:
     skip connection): output cell o reads input cell ``o + a``, a window op like padding by
     ``-a`` (nothing is ever read past the border)."""
     x, out = _shape(n.args[0]), _shape(n)
-    if x is None or out is None or len(x) not in (4, 5):
+    if x is None or out is None or len(x) not in SPATIAL_RANKS:
         return None
     dim = arg(n, 1, 0) % len(x)
     if dim < 2 or arg(n, 4, 1) != 1:
@@ -447,7 +466,7 @@ def _adaptive(n: fx.Node) -> Op | None:
     average pool with kernel = stride = input / output (the same bins, tiled); else its bins
     overlap and vary in size: summed from the tiles into a replicated output."""
     x = _shape(n.args[0])
-    if x is None or len(x) not in (4, 5):
+    if x is None or len(x) not in SPATIAL_RANKS:
         return None
     nd = len(x) - 2
     out = per_dim(arg(n, 1, None), nd)

@@ -145,13 +145,14 @@ def _depth_to_space(last: fx.Node) -> Found | None:
     return Found(nodes, build)
 
 
-ADAPTIVE_MAX = {aten.adaptive_max_pool2d.default: aten.max_pool2d.default,
+ADAPTIVE_MAX = {aten.adaptive_max_pool1d.default: aten.max_pool1d.default,
+                aten.adaptive_max_pool2d.default: aten.max_pool2d.default,
                 aten.adaptive_max_pool3d.default: aten.max_pool3d.default}
 
 
 def _adaptive_max_as_pool(last: fx.Node) -> Found | None:
     """``getitem(adaptive_max_pool2d(x, out), 0)``, out dividing x and not 1, the indices
-    unread: ``max_pool2d(x, k, k)``, k = x / out (3-D likewise)."""
+    unread: ``max_pool2d(x, k, k)``, k = x / out (1-D and 3-D likewise)."""
     pool = last.args[0] if last.op == "call_function" and last.target is operator.getitem \
         and last.args[1] == 0 else None
     if not _calls(pool, tuple(ADAPTIVE_MAX)):

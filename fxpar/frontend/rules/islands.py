@@ -60,13 +60,16 @@ def _swap(n: fx.Node) -> bool:
     return _packet(n) is aten.permute and [int(d) % 4 for d in arg(n, 1, [])] == [0, 1, 3, 2]
 
 
-def _entry(n: fx.Node) -> Dims | None:
-    """Where H and W go if ``n`` starts an island, else None."""
+def _entry(n: fx.Node, ranks: tuple[int, ...]) -> Dims | None:
+    """Where H and W go if ``n`` starts an island from a value of one of ``ranks``, else
+    None."""
     x = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
     xs = _shape(x)
-    if xs is not None and len(xs) in (4, 5) and per_pixel(n, len(xs) - 2) and \
+    if xs is not None and len(xs) in ranks and per_pixel(n, len(xs) - 2) and \
             not keeps_layout(n):  # x.max(dim=1), x.unsqueeze(1), x[:, 0], x.sum(0)
         return tuple(range(2 - len(xs), 0))
+    if 4 not in ranks:
+        return None  # the layouts below are an image's
     if xs is not None and len(xs) == 4 and _swap(n):
         return (-1, -2)
     if _packet(n) is aten.stack:  # N x C x H x W pieces stacked along a dim before H
@@ -131,11 +134,15 @@ def _per_pixel(n: fx.Node, member: set[fx.Node], dims: Dims) -> bool:
     return False
 
 
-def find_islands(gm: fx.GraphModule) -> dict[fx.Node, str]:
-    """Members of every per-pixel island: node -> "entry" | "inside" | "exit"."""
+def find_islands(gm: fx.GraphModule, ndim: int = 2) -> dict[fx.Node, str]:
+    """Members of every per-pixel island: node -> "entry" | "inside" | "exit". ``ndim``: the
+    model input's spatial dims; a sequence's islands (1) start from (N, C, L) values only (a
+    3-D value of an image model is a token layout's, fxpar.frontend.rules.tokens), an image's
+    or a volume's (2, 3) from (N, C, H, W) and (N, C, D, H, W) values."""
+    ranks = (3,) if ndim == 1 else (4, 5)
     out: dict[fx.Node, str] = {}
     for entry in gm.graph.nodes:
-        dims = _entry(entry)
+        dims = _entry(entry, ranks)
         if dims is None:
             continue
         members, exits, todo, ok = {entry}, set(), [entry], True

@@ -24,7 +24,38 @@ from fxpar.frontend.rules.aten_ops import arg
 from fxpar.frontend.rules.dims import NoRule
 
 Axes = tuple[tuple[int, int], ...]
-"""The grid axes one tensor dim holds, each with the image's extent along it (row-major)."""
+"""The factors one tensor dim holds, row-major, each ``(axis, extent)``: ``axis >= 0`` a grid
+axis of the image with ``extent`` cells along it (split over the tiles when the grid has parts
+there); :data:`PLAIN` a factor of ``extent`` that is not the image's (the batch merged with
+Swin's windows: every tile holds all of it); :func:`inner` ``(a)`` the position inside a window
+of ``extent`` cells along axis ``a`` (every tile holds whole windows: never split). A dim with
+no image factor is ``()``."""
+
+PLAIN = -1
+"""The axis of a factor that is not the image's."""
+
+
+def inner(axis: int) -> int:
+    """The axis code of the position inside a window along image axis ``axis``."""
+    return -2 - axis
+
+
+def image_factor(f: tuple[int, int]) -> bool:
+    """Whether factor ``f`` is cells of an image axis (split when its axis has parts)."""
+    return f[0] >= 0
+
+
+def normal(axes: Axes) -> Axes:
+    """``axes`` with each window index followed by the position inside the window merged
+    back into the axis ((a, E / w), (inner(a), w) -> (a, E)), and () when no image factor is
+    left (a plain or inner factor alone is like any other dim)."""
+    out: list[tuple[int, int]] = []
+    for f in axes:
+        if out and f[0] < PLAIN and out[-1][0] == -2 - f[0]:
+            out[-1] = (out[-1][0], out[-1][1] * f[1])
+        else:
+            out.append((int(f[0]), int(f[1])))
+    return tuple(out) if any(image_factor(f) or f[0] < PLAIN for f in out) else ()
 Layout = tuple[Axes, ...]
 """Per tensor dim, its :data:`Axes`."""
 
@@ -53,14 +84,18 @@ class TokenLayout:
     ``"resize"`` (its size argument gets the tile's sizes), ``"reduce"`` (a reduction over
     the split dims: ``reduce`` holds (kind, dims, keepdim, count, ord)), ``"contract"`` (a
     product over a split dim: the tile's product, summed over the tiles), ``"ring"`` / ``"gather"``
-    (attention over split keys, from tiled / replicated queries). ``sliced``: positions of
-    whole operands that vary along a split dim (each rank takes its tile's cells)."""
+    (attention over split keys, from tiled / replicated queries), ``"roll"`` (torch.roll over
+    split dims: Swin's shifted windows), ``"pending"`` (inside an attention chain).
+    ``sliced``: positions of whole operands that vary along a split dim (each rank takes its
+    tile's cells)."""
 
     KEY: ClassVar[str] = "fxpar.tokens"
     layout: Any
     action: str = ""
     reduce: tuple[Any, ...] = ()
     sliced: tuple[int, ...] = ()
+    roll: tuple[tuple[int, int], ...] = ()
+    """For ``"roll"``: (dim, shift) of each split dim rolled (a wrapped exchange)."""
 
 
 @dataclass
@@ -75,7 +110,14 @@ class State:
 
     def split(self, axes: Axes) -> bool:
         """Whether a dim holding ``axes`` is spread over several tiles."""
-        return any(self.parts[a] > 1 for a, _ in axes)
+        return any(a >= 0 and self.parts[a] > 1 for a, _ in axes)
+
+    def aligned(self, axis: int, extent: int, window: int) -> bool:
+        """Whether every tile of ``extent`` cells along ``axis`` starts and ends on a
+        multiple of ``window`` (so windows never cross a tile's edge)."""
+        p = self.parts[axis]
+        return extent % window == 0 and all((k * extent // p) % window == 0
+                                            for k in range(p + 1))
 
 
 def image_layout(shape: tuple[int, ...], ndim: int) -> Layout:
@@ -104,6 +146,13 @@ def tiled(lay: Any) -> bool:
 
 def dim_of(n: fx.Node, pos: int, default: Any, rank: int) -> int:
     return int(arg(n, pos, default)) % max(rank, 1)
+
+def first_tiled(n: fx.Node, st: State) -> Layout:
+    """The layout of ``n``'s first operand, which must be tiled."""
+    lay = st.layout(n.args[0])
+    if not tiled(lay):
+        raise NoRule("its first operand is not tiled")
+    return lay
 
 
 Rule = Callable[[fx.Node, State], TokenLayout]

@@ -19,6 +19,10 @@ from fxpar.core.geometry import (
     window_rows,
 )
 
+SPATIAL_RANKS = (3, 4, 5)
+"""Ranks of the tensors a spatial region tiles: a sequence (N, C, L), an image (N, C, H, W), a
+volume (N, C, D, H, W); the spatial dims are all dims after the channels."""
+
 
 @dataclass(frozen=True)
 class Pointwise:

@@ -32,6 +32,7 @@ from torch import fx
 from fxpar.core import meta
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.aten_ops import arg
+from fxpar.frontend.rules.opkind import SPATIAL_RANKS
 
 aten = torch.ops.aten
 
@@ -140,10 +141,10 @@ def per_pixel(n: fx.Node, nd: int) -> bool:
 
 
 def keeps_layout(n: fx.Node) -> bool:
-    """:func:`per_pixel` on an (N, C, H, W) or (N, C, D, H, W) value, giving values of the same
-    rank: a plain tiled op."""
+    """:func:`per_pixel` on an (N, C, H, W), (N, C, D, H, W) or (N, C, L) value, giving values
+    of the same rank: a plain tiled op."""
     x = _shapes(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else []
-    if len(x) != 1 or len(x[0]) not in (4, 5):
+    if len(x) != 1 or len(x[0]) not in SPATIAL_RANKS:
         return False
     rank = len(x[0])
     return per_pixel(n, rank - 2) and all(len(s) == rank for s in _shapes(n))
@@ -158,7 +159,7 @@ def mixes_samples(n: fx.Node) -> bool:
     packet = n.target.overloadpacket
     x = _shapes(n.args[0]) if n.args else []
     if packet not in DIM_ARGS or packet in (aten.unsqueeze, aten.squeeze) or len(x) != 1 or \
-            len(x[0]) not in (4, 5):
+            len(x[0]) not in SPATIAL_RANKS:
         return False
     dims = _dim_arg(n, len(x[0]))
     return dims is not None and 0 in dims

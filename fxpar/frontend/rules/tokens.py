@@ -52,6 +52,7 @@ from fxpar.frontend.rules.attention import (
 from fxpar.frontend.rules.dims import NoRule
 from fxpar.frontend.rules.dims import _groups as view_groups
 from fxpar.frontend.rules.layouts import (
+    PLAIN,
     Axes,
     Layout,
     Multi,
@@ -61,13 +62,24 @@ from fxpar.frontend.rules.layouts import (
     State,
     TokenLayout,
     image_layout,
+    inner,
     is_image,
+    normal,
     shape,
     size_of,
 )
 from fxpar.frontend.rules.layouts import dim_of as _dim
+from fxpar.frontend.rules.layouts import first_tiled as _first
 from fxpar.frontend.rules.layouts import tiled as _tiled
 from fxpar.frontend.rules.pointwise import POINTWISE
+from fxpar.frontend.rules.token_ops import (
+    conv_1x1,
+    expand_as,
+    group_norm,
+    pad,
+    replicated_factory,
+    roll,
+)
 
 __all__ = ["Axes", "Layout", "Multi", "Probs", "RULES", "Scores", "State", "TokenLayout",
            "image_layout", "is_image", "token_layout"]
@@ -111,18 +123,19 @@ def pointwise(n: fx.Node, st: State) -> TokenLayout:
     return TokenLayout(tuple(lay), sliced=tuple(sliced))
 
 
-def _first(n: fx.Node, st: State) -> Layout:
-    lay = st.layout(n.args[0])
-    if not _tiled(lay):
-        raise NoRule("its first operand is not tiled")
-    return lay
 
 
 def along(pos: int, default: Any = -1) -> Rule:
-    """An op along one dim (softmax, cumsum): the dim must not be split."""
+    """An op along one dim (softmax, cumsum): the dim must not be split; a softmax along a
+    split dim (MobileViT-v2's context scores over every patch) takes the maximum and the sum
+    of its exponentials over all tiles (``softmax``)."""
     def rule(n: fx.Node, st: State) -> TokenLayout:
         lay = _first(n, st)
-        if st.split(lay[_dim(n, pos, default, len(lay))]):
+        d = _dim(n, pos, default, len(lay))
+        if st.split(lay[d]) and n.target.overloadpacket in (aten.softmax, aten._softmax) and \
+                len(n.all_input_nodes) == 1:
+            return TokenLayout(lay, "softmax", reduce=(d,))
+        if st.split(lay[d]):
             raise NoRule("it works along a dim that is split over the tiles (softmax over "
                          "tokens of several tiles is attention: use "
                          "F.scaled_dot_product_attention)")
@@ -197,9 +210,20 @@ def squeeze(n: fx.Node, st: State) -> TokenLayout:
 
 
 def pick(n: fx.Node, st: State) -> TokenLayout:
-    """select / slice / narrow along a dim that is not split."""
+    """select / slice / narrow along a dim that is not split; along a split dim, a slice of
+    all of it (Swin's crop of a padding of nothing), or every s-th cell from one of the first
+    s (Swin's patch merging, ``x[:, 1::2]``) when every tile starts on a multiple of s."""
     lay = _first(n, st)
     d = _dim(n, 1, 0, len(lay))
+    if n.target.overloadpacket is aten.slice and len(lay[d]) == 1 and lay[d][0][0] >= 0:
+        start, end, step = arg(n, 2, None) or 0, arg(n, 3, None), int(arg(n, 4, 1))
+        (axis, extent), = lay[d]
+        whole = end is None or end >= shape(n.args[0])[d]
+        if whole and step == 1 and start == 0:
+            return TokenLayout(lay)
+        if whole and 0 <= start < step and st.aligned(axis, extent, step):
+            return TokenLayout(tuple(((axis, extent // step),) if i == d else a
+                                     for i, a in enumerate(lay)))
     if st.split(lay[d]):
         raise NoRule(f"it indexes dim {d}, which is split over the tiles")
     if n.target.overloadpacket is aten.select:
@@ -242,28 +266,62 @@ def cat(n: fx.Node, st: State) -> TokenLayout:
 
 def view(n: fx.Node, st: State) -> TokenLayout:
     """view / reshape / flatten / unflatten, group by group of dims whose sizes multiply
-    alike: dims holding axes merged into one keep them all (H, W -> H*W); one dim cut back
-    into the sizes of its axes gets them back; anything else mixing image and other dims has
-    no rule. A size argument naming split dims gets the tile's sizes (``resize``)."""
+    alike: the group's factors (:data:`Axes`; a dim that is not the image's is a plain factor)
+    are dealt out to the new dims in row-major order. Image dims merged into one keep all their
+    factors (H, W -> H*W); a dim cut back gets them back; an image axis cut into (E / w, w) is
+    Swin's window partition: the window index and the position inside it, allowed when every
+    tile holds whole windows. A size argument naming split dims gets the tile's sizes
+    (``resize``)."""
     lay, src, dst = _first(n, st), shape(n.args[0]), shape(n)
     out: list[Axes] = []
     for gi, gj in view_groups(src, dst):
-        axes = tuple(a for k in gi for a in lay[k])
-        big = [k for k in gj if dst[k] != 1]
-        if not axes:
+        factors = [f for k in gi for f in (lay[k] or ((PLAIN, src[k]),) if src[k] != 1
+                                           else lay[k])]
+        if not normal(tuple(factors)):
             out += [()] * len(gj)
             continue
-        if any(src[k] != 1 and not lay[k] for k in gi):
-            raise NoRule(f"it merges the image's dims with other dims {src} -> {dst}")
-        if len(big) == 1:
-            out += [axes if k == big[0] else () for k in gj]
-        elif len(gi) == 1 and [dst[k] for k in big] == [e for _, e in axes]:
-            it = iter(axes)
-            out += [(next(it),) if k in big else () for k in gj]
-        else:
-            raise NoRule(f"it cuts the image's dims {src} -> {dst}")
+        out += _deal(factors, [dst[k] for k in gj], st)
     sized = n.target.overloadpacket is not aten.flatten
     return TokenLayout(tuple(out), "resize" if sized and any(st.split(a) for a in out) else "")
+
+
+def _deal(factors: list[tuple[int, int]], sizes: list[int], st: State) -> list[Axes]:
+    """``factors`` (row-major) dealt out to dims of ``sizes`` (whose product they make): a
+    factor that one dim takes only part of is cut into (outer, inner) cells."""
+    queue, out = list(factors), []
+    for size in sizes:
+        took: list[tuple[int, int]] = []
+        have = 1
+        while have < size:
+            if not queue:
+                raise NoRule(f"a view of {factors} as {sizes}")
+            axis, extent = queue.pop(0)
+            if have * extent <= size:
+                took.append((axis, extent))
+                have *= extent
+                continue
+            want = size // have
+            if size % have or extent % want:
+                raise NoRule(f"it cuts a dim of {extent} cells into {want} parts unevenly")
+            rest = extent // want
+            if axis >= 0:
+                if not st.aligned(axis, extent, rest):
+                    raise NoRule(
+                        f"windows of {rest} cells along a dim of {extent} cross the tiles' "
+                        f"edges ({st.parts[axis]} tiles): choose an image size or a number of "
+                        f"parts whose tiles hold whole windows")
+                took.append((axis, want))
+                queue.insert(0, (inner(axis), rest))
+            elif axis == PLAIN:
+                took.append((PLAIN, want))
+                queue.insert(0, (PLAIN, rest))
+            else:
+                raise NoRule("it cuts the inside of a window")
+            have *= want
+        out.append(normal(tuple(took)))
+    if queue:
+        raise NoRule(f"a view of {factors} as {sizes}")
+    return out
 
 
 def expand(n: fx.Node, st: State) -> TokenLayout:
@@ -291,20 +349,26 @@ def matmul(n: fx.Node, st: State) -> TokenLayout:
         if x and y and x != y:
             raise NoRule("its operands are tiled along different batch dims")
         batch.append(x or y)
-    if any(st.split(x) for x in batch):
-        raise NoRule("a product batched over a split dim")
+    for i, x in enumerate(batch):  # a split batch dim (Swin's windows): split alike in both
+        for lx, sx in ((la, sa), (lb, sb)):
+            j = i - width + len(lx) - 2
+            if st.split(x) and j >= 0 and not lx[j] and sx[j] != 1:
+                raise NoRule("a product batched over a dim one operand splits and the other "
+                             "holds whole")
     if isinstance(la[-1], Probs):  # softmax(q k^T) @ v: the end of an attention chain
         return attended(la, lb, st)
     if st.split(la[-1]) or st.split(lb[-2]):
+        if any(st.split(x) for x in batch):
+            raise NoRule("a product over a split dim, batched over a split dim")
         if la[-1] != lb[-2] or st.split(la[-2]) or st.split(lb[-1]):
             raise NoRule("it contracts a split dim of one operand with a dim the other "
                          "does not split alike")
         return TokenLayout(None, "contract")
     if st.split(lb[-1]) and _tiled(st.layout(b)) and is_transpose(b):  # q @ k^T: scores
         return TokenLayout((*batch, la[-2], Scores(lb[-1])), "pending")
-    if _tiled(st.layout(b)) and st.split(lb[-1]) or not _tiled(st.layout(a)) and \
-            st.split(lb[-1]):
-        raise NoRule("its second operand is split along its columns")
+    if st.split(la[-2]) and st.split(lb[-1]):
+        raise NoRule("both of its operands' free dims are split (attention scores between "
+                     "two tiled token sets: use F.scaled_dot_product_attention)")
     return TokenLayout((*batch, la[-2], lb[-1]))
 
 
@@ -345,10 +409,10 @@ def einsum(n: fx.Node, st: State) -> TokenLayout:
     return TokenLayout(tuple(letters.get(c, ()) for c in out))
 
 
-def replicated_factory(n: fx.Node, st: State) -> TokenLayout:
-    """new_empty / new_zeros / new_ones / new_full of a tiled tensor: a fresh value of the
-    given sizes, the same on every rank when no size is the image's (drop path's mask)."""
-    return TokenLayout(None)
+
+
+
+
 
 
 RULES: dict[Any, Rule] = {
@@ -367,6 +431,9 @@ RULES: dict[Any, Rule] = {
     aten.unflatten: view, aten.expand: expand,
     aten.matmul: matmul, aten.bmm: matmul, aten.einsum: einsum,
     aten.scaled_dot_product_attention: attention,
+    aten.pad: pad, aten.constant_pad_nd: pad, aten.roll: roll,
+    aten.expand_as: expand_as, aten.group_norm: group_norm,
+    aten.conv1d: conv_1x1, aten.conv2d: conv_1x1, aten.conv3d: conv_1x1,
     aten.new_empty: replicated_factory, aten.new_zeros: replicated_factory,
     aten.new_ones: replicated_factory, aten.new_full: replicated_factory,
 }

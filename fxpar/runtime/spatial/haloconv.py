@@ -46,6 +46,8 @@ from torch import nn
 from fxpar.core.geometry import Exchange, Rect
 
 Pieces = list[tuple[Rect, torch.Tensor]]
+CONVS = {1: nn.functional.conv1d, 2: nn.functional.conv2d, 3: nn.functional.conv3d}
+"""The convolution of each number of spatial dims."""
 MIN_RATIO = 128
 """A band is at most 1/MIN_RATIO of the tile's output rows (top/bottom) or columns (sides)."""
 
@@ -144,7 +146,7 @@ def _sub(band: Band, ex: Exchange, pieces: Pieces, like: torch.Tensor) -> torch.
 
 def _conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: dict[str, Any],
           padding: tuple[int, ...] | int) -> torch.Tensor:
-    conv = nn.functional.conv3d if x.dim() == 5 else nn.functional.conv2d
+    conv = CONVS[x.dim() - 2]
     return conv(x, w, b, cfg["stride"], padding, cfg["dilation"], cfg["groups"])
 
 

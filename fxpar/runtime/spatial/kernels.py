@@ -48,9 +48,31 @@ class WindowKernel:
     (fxpar.runtime.spatial.haloconv), never building the window."""
 
 
+CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+"""The convolution of each number of spatial dims."""
+MAX_POOLS = {2: (aten.max_pool2d_with_indices, aten.max_pool2d_with_indices_backward),
+             3: (aten.max_pool3d_with_indices, aten.max_pool3d_with_indices_backward)}
+"""Max pool (values and argmax) and its backward, by spatial dims."""
+AVG_POOLS = {2: (F.avg_pool2d, aten.avg_pool2d_backward),
+             3: (F.avg_pool3d, aten.avg_pool3d_backward)}
+"""Average pool and its backward, by spatial dims."""
+
+
+def _lift(t: torch.Tensor) -> torch.Tensor:
+    """A sequence (N, C, L) as an image (N, C, 1, L): ATen has no backward ops of 1-D pools
+    (torch runs them as 2-D ones too), so a 1-D pool runs over (1, L); others as they are."""
+    return t.unsqueeze(2) if t.dim() == 3 else t
+
+
+def _pool_args(nd: int, c: Cfg, *names: str) -> tuple[list[int], ...]:
+    """The per-dim arguments ``names`` of a pool over ``nd`` dims, lifted as :func:`_lift`."""
+    lead = [1] if nd == 1 else []
+    return tuple(lead + list(per_dim(c[name], nd)) for name in names)
+
+
 def _conv(window: torch.Tensor, c: Cfg, params: Params
           ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    conv = F.conv3d if window.dim() == 5 else F.conv2d
+    conv = CONVS[window.dim() - 2]
     return conv(window, params[0], params[1] if len(params) > 1 else None, c["stride"], 0,
                 c["dilation"], c["groups"]), ()
 
@@ -71,10 +93,9 @@ def _conv_grad(g: torch.Tensor, window: torch.Tensor | None, shape: torch.Size,
 def _maxpool(window: torch.Tensor, c: Cfg, params: Params
              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     nd = window.dim() - 2
-    op = aten.max_pool3d_with_indices if nd == 3 else aten.max_pool2d_with_indices
-    out, idx = op(window, per_dim(c["kernel"], nd), per_dim(c["stride"], nd), [0] * nd,
-                  per_dim(c["dilation"], nd))
-    return out, (idx,)
+    k, s, d = _pool_args(nd, c, "kernel", "stride", "dilation")
+    out, idx = MAX_POOLS[len(k)][0](_lift(window), k, s, [0] * len(k), d)
+    return out.squeeze(2) if nd == 1 else out, (idx,)  # the argmax as the lifted pool's
 
 
 def _maxpool_grad(g: torch.Tensor, window: torch.Tensor | None, shape: torch.Size,
@@ -83,17 +104,18 @@ def _maxpool_grad(g: torch.Tensor, window: torch.Tensor | None, shape: torch.Siz
     if not need[0]:
         return (None,)
     nd = len(shape) - 2
-    op = aten.max_pool3d_with_indices_backward if nd == 3 else \
-        aten.max_pool2d_with_indices_backward
-    return (op(g, g.new_empty(shape), per_dim(c["kernel"], nd), per_dim(c["stride"], nd),
-               [0] * nd, per_dim(c["dilation"], nd), False, saved[0]),)
+    k, s, d = _pool_args(nd, c, "kernel", "stride", "dilation")
+    gx = MAX_POOLS[len(k)][1](_lift(g), _lift(g.new_empty(shape)), k, s, [0] * len(k), d,
+                              False, saved[0])
+    return (gx.squeeze(2) if nd == 1 else gx,)
 
 
 def _avgpool(window: torch.Tensor, c: Cfg, params: Params
              ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    pool = F.avg_pool3d if window.dim() == 5 else F.avg_pool2d
-    return pool(window, c["kernel"], c["stride"], 0,
-                divisor_override=c.get("divisor_override")), ()
+    nd = window.dim() - 2
+    k, s = _pool_args(nd, c, "kernel", "stride")
+    out = AVG_POOLS[len(k)][0](_lift(window), k, s, 0, divisor_override=c.get("divisor_override"))
+    return out.squeeze(2) if nd == 1 else out, ()
 
 
 def _avgpool_grad(g: torch.Tensor, window: torch.Tensor | None, shape: torch.Size,
@@ -102,9 +124,10 @@ def _avgpool_grad(g: torch.Tensor, window: torch.Tensor | None, shape: torch.Siz
     if not need[0]:
         return (None,)
     nd = len(shape) - 2
-    op = aten.avg_pool3d_backward if nd == 3 else aten.avg_pool2d_backward
-    return (op(g, g.new_empty(shape), per_dim(c["kernel"], nd), per_dim(c["stride"], nd),
-               [0] * nd, False, True, c.get("divisor_override")),)
+    k, s = _pool_args(nd, c, "kernel", "stride")
+    gx = AVG_POOLS[len(k)][1](_lift(g), _lift(g.new_empty(shape)), k, s, [0] * len(k), False,
+                              True, c.get("divisor_override"))
+    return (gx.squeeze(2) if nd == 1 else gx,)
 
 
 KERNELS: dict[str, WindowKernel] = {

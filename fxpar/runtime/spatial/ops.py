@@ -37,13 +37,14 @@ def group_key(stage: int, copy: int = 0) -> str:
     return f"c{copy}s{stage}"
 
 
-SIDES = {2: ("top", "bottom", "left", "right"),
+SIDES = {1: ("left", "right"), 2: ("top", "bottom", "left", "right"),
          3: ("front", "back", "top", "bottom", "left", "right")}
 """Names of the sides of a tile, in :meth:`Exchange.halo_widths` order."""
 
 
 def widths(ex: Exchange) -> str:
-    """``top=1 bottom=1 left=1 right=1`` (a volume: front and back too)."""
+    """``top=1 bottom=1 left=1 right=1`` (a volume: front and back too; a sequence: left and
+    right only)."""
     w = ex.halo_widths()
     names = SIDES.get(len(w) // 2, tuple(f"s{i}" for i in range(len(w))))
     return " ".join(f"{n}={v}" for n, v in zip(names, w, strict=True))

@@ -14,6 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxpar.runtime.spatial.group import TileOp
+from fxpar.runtime.spatial.norms import group_sum
+
 Interval = tuple[int, int]
 
 
@@ -50,3 +53,25 @@ class TileCells(nn.Module):
     def extra_repr(self) -> str:
         where = " x ".join(f"{a}:{b}" for a, b in self.box)
         return f"dim {self.dim}: the tile's cells {where} of {[e for _, e in self.axes]}"
+
+
+class TileSoftmax(TileOp):
+    """``softmax(x, dim)`` along a dim split over the tile group ``key``: the maximum over all
+    tiles (no gradient: a softmax does not depend on it), the exponentials' sum over all tiles
+    (one allreduce each way, differentiable), the tile's share of the result."""
+
+    def __init__(self, dim: int, key: str) -> None:
+        super().__init__()
+        self.dim, self.key = dim, key
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"dim": self.dim, "key": self.key}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top = torch.ops.fxpar.allreduce(x.detach().amax(self.dim, keepdim=True), self.key,
+                                        "max")
+        e = torch.exp(x - top)
+        return e / group_sum(e.sum(self.dim, keepdim=True), self.key)
+
+    def extra_repr(self) -> str:
+        return f"softmax along dim {self.dim} over the tiles of {self.key!r}"

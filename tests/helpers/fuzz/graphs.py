@@ -16,8 +16,10 @@ of the same size: a skip across stages; or an image-level branch as in DeepLab's
 pool, 1x1 conv, interpolated back to the size), nearest/bilinear upsampling, interpolation to
 a size or scale (bilinear with either align_corners), constant / reflect / replicate padding,
 a ConvNeXt-style channels-last block (permute, LayerNorm, Linear, permute), adaptive average
-pooling. The head is a global mean (``gap`` module or ``mean`` method) or ``flatten``, then a
-Linear to ``classes``.
+pooling, and token blocks (tests/helpers/fuzz/tokens.py: the image flattened into tokens, a
+per-token MLP, global attention as SDPA or written out, a class token's cross attention, linear
+attention, a position embedding, and back). The head is a global mean (``gap`` module or
+``mean`` method) or ``flatten``, then a Linear to ``classes``.
 
 Strategies shrink towards the simplest thing: fewer blocks, ReLU before conv, kernel 1,
 stride 1, padding 0, the trivial plan.
@@ -33,6 +35,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpar
+from helpers.fuzz import tokens
 
 Spec = dict[str, Any]
 MAX_EXTENT = 48
@@ -41,7 +44,7 @@ MAX_RANKS = 4
 """The pool's size: every drawn plan needs at most this many ranks."""
 BLOCKS = ("relu", "bn", "conv", "maxpool", "avgpool", "residual", "concat", "upsample",
           "adaptive", "groupnorm", "instancenorm", "pad", "interpolate", "channels_last",
-          "perpixel")
+          "perpixel", "tokens")
 NODES = {"channels_last": 4}
 """Captured (ATen) compute nodes of a spec node, where more than one: permute, layer_norm,
 linear, permute."""
@@ -150,6 +153,8 @@ def _module(node: Spec, c_in: int) -> nn.Module:
         return ChannelsLast(c_in)
     if op == "perpixel":
         return PerPixel(node["variant"], c_in)
+    if op == "tokens":
+        return tokens.TokenBlock(node, c_in)
     raise ValueError(f"unknown fuzz op {op!r}")
 
 
@@ -211,7 +216,8 @@ def build(spec: Spec) -> FuzzNet:
 def compute_nodes(spec: Spec) -> int:
     """Compute nodes of the traced model (what ``Plan.balance`` counts): one per node, then
     the head's (pool + flatten, mean, or flatten) and the Linear."""
-    return sum(PER_PIXEL[n["variant"]] if n["op"] == "perpixel" else NODES.get(n["op"], 1)
+    return sum(PER_PIXEL[n["variant"]] if n["op"] == "perpixel" else
+               tokens.nodes(n) if n["op"] == "tokens" else NODES.get(n["op"], 1)
                for n in spec["nodes"]) + \
         {"gap": 2, "mean": 1, "flatten": 1, "seg": 0}[spec["head"]] + 1
 
@@ -412,20 +418,28 @@ def _block(draw: st.DrawFn, g: _Graph) -> None:
         g.add({"op": kind, "src": [x]})
     elif kind == "perpixel":
         g.add({"op": kind, "src": [x], "variant": draw(st.sampled_from(sorted(PER_PIXEL)))})
+    elif kind == "tokens":
+        tokens.draw_block(draw, g)
     else:  # adaptive average pooling to a smaller size: ends a spatial region
         g.add({"op": "adaptive", "src": [x],
                "out": [draw(st.integers(1, h)), draw(st.integers(1, w))]})
 
 
 @st.composite
-def specs(draw: st.DrawFn, max_blocks: int = 5) -> Spec:
+def specs(draw: st.DrawFn, max_blocks: int = 5, token_block: bool = False) -> Spec:
     """A random small CNN: input 8..40 px a side (non-square allowed), batch 2..8, 1..4 input
-    channels, 1..``max_blocks`` blocks, a head and 2..6 classes."""
+    channels, 1..``max_blocks`` blocks, a head and 2..6 classes. ``token_block``: one of the
+    blocks is a token block (tests/helpers/fuzz/tokens.py)."""
     c = draw(st.integers(1, 4))
     hw = (draw(st.integers(8, 40)), draw(st.integers(8, 40)))
     g = _Graph(c, hw)
-    for _ in range(draw(st.integers(1, max_blocks))):
-        _block(draw, g)
+    blocks = draw(st.integers(1, max_blocks))
+    at = draw(st.integers(0, blocks - 1)) if token_block else -1
+    for i in range(blocks):
+        if i == at:
+            tokens.draw_block(draw, g)
+        else:
+            _block(draw, g)
     h, w = g.sizes[-1]
     heads = ["gap", "mean", "seg"] + (["flatten"] if g.chans[-1] * h * w <= 512 else [])
     head = draw(st.sampled_from(heads))

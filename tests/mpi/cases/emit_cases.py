@@ -110,7 +110,7 @@ class _EveryTileOp(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool(torch.relu(self.bn(self.c1(x))))
         x = self.up(torch.relu(self.gn(self.c2(x))))
-        side = torch.cumsum(x[:, :1], dim=2).mean((1, 2, 3))
+        side = torch.cumsum(x[:, :1], dim=3).mean((1, 2, 3))  # along the split W: a join
         return self.fc(x.mean((2, 3)) + x.amax((2, 3))) + side.unsqueeze(1)
 
 

@@ -66,6 +66,10 @@ def _monai(name: str) -> Callable[[], nn.Module]:
         if name == "UNETR":  # a ViT encoder (16^3 patches) on a 3-D volume
             return mn.UNETR(in_channels=3, out_channels=3, img_size=(32, 32, 32), feature_size=8,
                             hidden_size=32, mlp_dim=64, num_heads=2, spatial_dims=3)
+        if name.startswith("SwinUNETR"):  # shifted windows of 2 (tiles hold whole windows)
+            return mn.SwinUNETR(in_channels=3, out_channels=3, feature_size=12,
+                                spatial_dims=int(name[-2]), depths=(2, 2, 2, 2),
+                                num_heads=(1, 1, 1, 1), window_size=2)
         if name == "MedNeXt":  # with its global response norm (a vector norm over H, W)
             return mn.MedNeXt(spatial_dims=2, in_channels=3, out_channels=3, init_filters=8,
                               kernel_size=3, global_resp_norm=True)
@@ -117,8 +121,14 @@ MODELS: dict[str, Model] = {
     # attention), a ViT encoder on a volume, global response norms, position attention
     "smp_Segformer": Model(_segformer, (64, 64), 0.95, segmentation=True),
     "monai_UNETR": Model(_monai("UNETR"), (32, 32, 32), 0.95, segmentation=True),
+    "monai_SwinUNETR_2d": Model(_monai("SwinUNETR_2d"), (64, 64), 0.95, segmentation=True),
+    "monai_SwinUNETR_3d": Model(_monai("SwinUNETR_3d"), (64, 64, 64), 0.95, segmentation=True),
     "monai_MedNeXt": Model(_monai("MedNeXt"), (64, 64), 0.95, segmentation=True),
     "timm_convnextv2_atto": Model(_timm("convnextv2_atto"), (64, 64), 0.95),
+    # cross-covariance attention (sums over every token), MobileViT-v2's separable attention
+    # (a softmax over every patch, GroupNorm over the patches) on unfolded 2x2 patches
+    "timm_edgenext_xx_small": Model(_timm("edgenext_xx_small"), (64, 64), 0.95),
+    "timm_mobilevitv2_050": Model(_timm("mobilevitv2_050"), (64, 64), 0.95),
     "smp_MAnet": Model(_smp("MAnet"), (64, 64), 0.95, segmentation=True),
     "smp_PSPNet": Model(_smp("PSPNet", psp_dropout=0.0, encoder_depth=5, upsampling=32),
                         (96, 96), 0.95, segmentation=True),
@@ -170,6 +180,13 @@ CI_NOT_SP2 = {
                         "(SP2 took 46 s of the suite)",
     "tv_efficientnet_b0": "it runs under PP2 in CI, timm_efficientnet_b0 under SP2 (SP2 took "
                           "20 s of the suite)",
+    "monai_SwinUNETR_3d": "monai_SwinUNETR_2d trains the same shifted windows, masks, rolls "
+                          "and patch merging; at 64^3 in float64 (the least size its five "
+                          "halvings allow) a 2-rank case was killed for memory on the 23 GB "
+                          "test machine beside the rest of the suite",
+    "timm_convnextv2_atto": "tests/mpi/cases/ops40_cases.py trains it under SP2 and SP4",
+    "smp_MAnet": "its one attention block (at 1/32 of the image) runs whole; smp_Unet trains "
+                 "the same encoder (SP2 took 15 s)",
 }
 """The models CI does not run under SP2, and which CI case trains what they would show;
 ``FXPAR_LIBRARY_MATRIX=1`` runs them under every plan. Times measured in one ``make test``."""
