@@ -291,6 +291,8 @@ PER_PIXEL_OPS = {  # each works on N and C only: the region goes on (issue 36, i
     "transpose_hw": lambda x: (x.transpose(2, 3) * 2).transpose(2, 3),
     # H and W flattened and cut back: tokens are pixels (fxpar.frontend.rules.tokens)
     "flatten_hw": lambda x: x.flatten(2).unsqueeze(-1).reshape(x.shape),
+    # along the split W: the maximum and the exponentials' sum over the tiles (TileSoftmax)
+    "softmax_w": lambda x: x.softmax(3),
     "select": lambda x: x * x[:, 0].unsqueeze(1),
     "index": lambda x: x[:, [3, 1, 0, 2]],
     "max_dim": lambda x: x - x.max(dim=1)[0].unsqueeze(1) + x.max(dim=1)[1].unsqueeze(1),
@@ -301,7 +303,7 @@ PER_PIXEL_OPS = {  # each works on N and C only: the region goes on (issue 36, i
     "softmax": lambda x: x.softmax(1) + x.log_softmax(0),
 }
 NOT_PER_PIXEL = {  # along a split dim: the region must end
-    "softmax_w": lambda x: x.softmax(3),
+    "log_softmax_w": lambda x: x.log_softmax(3),
     "cumsum_w": lambda x: x.cumsum(3),
     "flatten_hw_reversed": lambda x: x.flatten(2).flip(-1).reshape(x.shape),
     "max_over_w": lambda x: x - x.max(dim=3, keepdim=True)[0],

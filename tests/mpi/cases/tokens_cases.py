@@ -166,6 +166,18 @@ class BiasMap(nn.Module):
         return self.head(self.conv(x) + self.bias)
 
 
+class SoftmaxW(nn.Module):
+    """A softmax along W (split by vertical strips) between two convolutions: the maximum and
+    the exponentials' sum over every tile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 3, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(self.a(x).softmax(3))
+
+
 P = fxpar.Plan
 
 
@@ -227,6 +239,11 @@ def case_einsum_attention_p4_square():
 
 def case_bias_map_over_split_rows_p3():
     run(BiasMap, (2, 3, 11, 7), P(spatial_parts=3, slice="horizontal"), segmentation=True,
+        classes=3)
+
+
+def case_softmax_over_split_w_p3():
+    run(SoftmaxW, (2, 3, 7, 11), P(spatial_parts=3, slice="vertical"), segmentation=True,
         classes=3)
 
 
