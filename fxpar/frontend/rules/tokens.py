@@ -14,13 +14,10 @@ contracts a split dim (``k.transpose(-2, -1) @ v`` of linear attention: partial 
 over the tiles) or is attention whose keys are split (ring attention: fxpar.runtime.spatial.
 attention).
 
-A value's layout is, per tensor dim, the grid axes that dim holds with the image extent along
-each (:data:`Axes`): ``()`` for a dim every rank holds whole, ``((0, 64),)`` for the rows of a
-64-row image, ``((0, 64), (1, 48))`` for its rows and columns flattened (the tile's cells in
-row-major order). An (N, C, H, W) tile has ``((), (), ((0, H),), ((1, W),))``: the *image
-layout* (:func:`image_layout`), where the ordinary spatial rules take over again. ``None`` is a
-replicated value (whole and the same on every rank). Extents travel with the layout because one
-block may mix resolutions (SegFormer's keys come from a map reduced by a strided convolution).
+Each value's *token layout* (fxpar.frontend.rules.layouts) says which image axes each of its
+dims holds, at what extent; the (N, C, H, W) layout is where the ordinary spatial rules take
+over again. Swin's windows are factors of such dims (the window index, the position inside a
+window), allowed when every tile holds whole windows.
 
 One rule per op (:data:`RULES`) maps the operands' layouts to a :class:`TokenLayout`: the output
 layout and what the tile rewrite (fxpar.passes.tile_tokens) must do. An op without a rule, or
