@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from fxpar.core import meta
-from fxpar.core.fxgraph import graph_module
+from fxpar.core.fxgraph import graph_module, replace_node
 from fxpar.core.geometry import (
     Exchange,
     Grid,
@@ -140,7 +140,7 @@ def _window(ctx: _Ctx, n: fx.Node, op: Window) -> None:
         win = _halo(ctx, n, x, needs, op.fill, op.rule.wraps)
         with g.inserting_before(n):
             new = _tile_op(ctx, n, op, win, own, need)
-    _replace(g, n, new)
+    replace_node(g, n, new)
 
 
 def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, ex: Exchange, own: Rect,
@@ -176,13 +176,6 @@ def _fused(ctx: _Ctx, n: fx.Node, op: Window, x: fx.Node, ex: Exchange, own: Rec
         node = g.call_module(ctx.add("avgdiv", div), (node,))
     return node
 
-
-def _replace(g: fx.Graph, old: fx.Node, new: fx.Node) -> None:
-    """Swap ``old`` for ``new``; ``new`` keeps ``old``'s metadata (the *global* shape and
-    layout of the value, which later windows are computed from)."""
-    new.meta.update(old.meta)
-    old.replace_all_uses_with(new)
-    g.erase_node(old)
 
 
 def _weights(n: fx.Node) -> tuple[int, Any, Any]:
@@ -286,9 +279,15 @@ def _as_tile(ctx: _Ctx, n: fx.Node, a: Any) -> Any:
     shape = meta.get(a, TensorInfo).shapes
     ext = _extent(n)
     if len(shape) == 1 and len(shape[0]) == len(ext) + 2 and tuple(shape[0][2:]) == ext:
-        needs = [ctx.grid.tile_rect(ext, u) for u in range(ctx.grid.size)]
-        return _halo(ctx, n, a, needs, 0.0)  # whole on every rank: slice my tile
+        return _my_tile(ctx, n, a)  # whole on every rank: slice my tile
     return a  # broadcast (e.g. a squeeze-excite scale of shape N x C x 1 x 1)
+
+
+def _my_tile(ctx: _Ctx, before: fx.Node, x: fx.Node) -> fx.Node:
+    """This rank's tile of ``x``, an image every rank holds whole (the model's input): a Halo
+    that slices it (no messages)."""
+    ext = _extent(x)
+    return _halo(ctx, before, x, [ctx.grid.tile_rect(ext, u) for u in range(ctx.grid.size)], 0.0)
 
 
 def _whole_inputs(ctx: _Ctx, n: fx.Node) -> None:
@@ -297,9 +296,7 @@ def _whole_inputs(ctx: _Ctx, n: fx.Node) -> None:
         info = meta.find(a, TensorInfo)
         if a in ctx.replicated and info is not None and len(info.shapes) == 1 and \
                 len(info.shape) == ctx.grid.ndim + 2:
-            ext = _extent(a)
-            needs = [ctx.grid.tile_rect(ext, u) for u in range(ctx.grid.size)]
-            n.replace_input_with(a, _halo(ctx, n, a, needs, 0.0))
+            n.replace_input_with(a, _my_tile(ctx, n, a))
 
 
 def _island_entry(ctx: _Ctx, n: fx.Node) -> None:
@@ -310,9 +307,7 @@ def _island_entry(ctx: _Ctx, n: fx.Node) -> None:
             (_tiled(x) and x not in ctx.replicated) or getattr(meta.find(x, SpatialLayout),
                                                              "island", False):
         return
-    ext = _extent(x)
-    needs = [ctx.grid.tile_rect(ext, u) for u in range(ctx.grid.size)]
-    n.args = (_halo(ctx, n, x, needs, 0.0), *n.args[1:])
+    n.args = (_my_tile(ctx, n, x), *n.args[1:])
 
 
 def _tile_reshape(ctx: _Ctx, n: fx.Node) -> None:
@@ -335,7 +330,7 @@ def _tile_norm(ctx: _Ctx, n: fx.Node, op: Norm) -> None:
     args += [arg(n, i, None) for i in (op.weight, op.bias)]
     with ctx.gm.graph.inserting_before(n):
         new = ctx.gm.graph.call_module(name, tuple(args))
-    _replace(ctx.gm.graph, n, new)
+    replace_node(ctx.gm.graph, n, new)
 
 
 def _tile_batch_norm(ctx: _Ctx, n: fx.Node) -> None:
@@ -353,7 +348,7 @@ def _tile_batch_norm(ctx: _Ctx, n: fx.Node) -> None:
     x = _as_tile(ctx, n, n.args[0])  # the input image is whole: my tile
     with ctx.gm.graph.inserting_before(n):
         new = ctx.gm.graph.call_module(name, (x, *n.args[1:]))
-    _replace(ctx.gm.graph, n, new)
+    replace_node(ctx.gm.graph, n, new)
 
 
 def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
@@ -409,7 +404,7 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
                                                 op.keepdim, op.out, op.ord))
             with gm.graph.inserting_before(n):
                 new = gm.graph.call_module(name, (x,))
-            _replace(gm.graph, n, new)
+            replace_node(gm.graph, n, new)
             continue
         for a in tiled_ins:  # the region ends here: the whole tensor on every rank
             if a not in joins:

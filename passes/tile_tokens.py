@@ -33,9 +33,11 @@ import torch
 from torch import fx, nn
 
 from fxpar.core import meta
+from fxpar.core.fxgraph import replace_node
 from fxpar.core.geometry import Grid, Interval, Rect, tile
 from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.aten_ops import arg
+from fxpar.frontend.rules.token_ops import roll_args
 from fxpar.frontend.rules.tokens import Axes, Multi, TokenLayout
 from fxpar.runtime.spatial.attention import GatherAttention, RingAttention
 from fxpar.runtime.spatial.lossops import TileReduceDims
@@ -86,7 +88,7 @@ def tile_token_node(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Gri
         name = add("tokenreduce", TileReduceDims(kind, dims, keep, key, count, order))
         with g.inserting_before(n):
             new = g.call_module(name, (n.args[0],))
-        _replace(g, n, new)
+        replace_node(g, n, new)
     elif info.action == "contract":
         with g.inserting_after(n):
             total = g.call_function(torch.ops.fxpar.allreduce.default, (n, key, "sum"))
@@ -96,7 +98,7 @@ def tile_token_node(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Gri
         name = add("softmax", TileSoftmax(info.reduce[0], key))
         with g.inserting_before(n):
             new = g.call_module(name, (n.args[0],))
-        _replace(g, n, new)
+        replace_node(g, n, new)
     elif info.action == "groupnorm":
         x = meta.get(n.args[0], TensorInfo).shape
         groups = int(arg(n, 1, 1))
@@ -105,7 +107,7 @@ def tile_token_node(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Gri
         name = add("groupnorm", norm)
         with g.inserting_before(n):
             new = g.call_module(name, (n.args[0], arg(n, 2, None), arg(n, 3, None)))
-        _replace(g, n, new)
+        replace_node(g, n, new)
     elif info.action == "roll":
         _roll(gm, n, info, grid, t, halo)
     elif info.action == "pending":
@@ -115,11 +117,6 @@ def tile_token_node(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Gri
     elif info.action:
         raise AssertionError(f"token action {info.action!r} has no rewrite")
 
-
-def _replace(g: fx.Graph, old: fx.Node, new: fx.Node) -> None:
-    new.meta.update(old.meta)
-    old.replace_all_uses_with(new)
-    g.erase_node(old)
 
 
 def _resize(n: fx.Node, layout: Any, grid: Grid, t: int) -> None:
@@ -174,7 +171,7 @@ def _attention(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Grid, t:
     name = add(info.action, module)
     with gm.graph.inserting_before(n):
         new = gm.graph.call_module(name, (q, k, v))
-    _replace(gm.graph, n, new)
+    replace_node(gm.graph, n, new)
     for d in dead:  # the scores, scaling and softmax of one tile: no longer used
         if not d.users:
             gm.graph.erase_node(d)
@@ -253,13 +250,11 @@ def _roll(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Grid, t: int,
         if rest:
             new = g.call_function(aten.roll.default, (new, [s for _, s in rest],
                                                       [d for d, _ in rest]))
-    _replace(g, n, new)
+    replace_node(g, n, new)
 
 
 def _shifts(n: fx.Node) -> tuple[list[int], list[int]]:
     """(dims, shifts) of roll ``n``, dims counted from 0."""
-    shifts, dims = arg(n, 1, []), arg(n, 2, [])
-    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
-    dims = [dims] if isinstance(dims, int) else list(dims)
+    shifts, dims = roll_args(n)
     rank = len(meta.get(n, TensorInfo).shape)
     return [int(d) % rank for d in dims], [int(s) for s in shifts]

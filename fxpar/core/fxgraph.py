@@ -26,6 +26,14 @@ def graph_module(root: torch.nn.Module | dict[str, object], graph: fx.Graph,
     return _LazyGraphModule(root, graph, class_name)
 
 
+def replace_node(g: fx.Graph, old: fx.Node, new: fx.Node) -> None:
+    """Swap ``old`` for ``new`` in ``g``: ``new`` keeps ``old``'s metadata (the global shape and
+    layout of the value, which later passes read), every user of ``old`` reads ``new``."""
+    new.meta.update(old.meta)
+    old.replace_all_uses_with(new)
+    g.erase_node(old)
+
+
 def generated(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with its code generated now (in place): what ``torch.compile`` needs, since
     TorchDynamo does not trace a code generation still pending (torch 2.14: "Attempted to

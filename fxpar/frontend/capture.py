@@ -47,7 +47,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxpar.core.fxgraph import graph_module, lazy_code
+from fxpar.core.fxgraph import graph_module, lazy_code, replace_node
 from fxpar.core.meta import pretty_path
 from fxpar.core.modelkeys import MODEL_KEYS, ModelKeys
 from fxpar.frontend.rules.chains import fuse_chains
@@ -255,7 +255,7 @@ def _mode_ops(gm: fx.GraphModule) -> None:
             gm.add_submodule(name, op)
             with g.inserting_before(n):
                 new = g.call_module(name, (x, w, b, rm, rv, nbt))
-            _swap(g, n, new)
+            replace_node(g, n, new)
         elif n.target in _DROPOUTS or (n.target in _DROPOUTS_INPLACE and isinstance(
                 n.args[0], fx.Node) and set(n.args[0].users) == {n}):
             p = float(n.args[1])
@@ -266,15 +266,10 @@ def _mode_ops(gm: fx.GraphModule) -> None:
             gm.add_submodule(name, drop)
             with g.inserting_before(n):
                 new = g.call_module(name, (n.args[0],))
-            _swap(g, n, new)
+            replace_node(g, n, new)
     # a counter's get_attr now read by the BatchNormOp must come before it (export puts the
     # get_attrs first, so it does); unused ones go
     for n in counters.values():
         if not n.users:
             g.erase_node(n)
 
-
-def _swap(g: fx.Graph, old: fx.Node, new: fx.Node) -> None:
-    new.meta.update(old.meta)
-    old.replace_all_uses_with(new)
-    g.erase_node(old)

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.attention_models import ClassToken
 from torch import nn
 
 import fxpar
@@ -54,24 +55,6 @@ class ViT(nn.Module):
             t = t + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, h * w, c)
         return self.out(t.transpose(1, 2).reshape(n, c, h, w))
 
-
-class ClassToken(nn.Module):
-    """A class token's cross attention over every pixel (replicated queries)."""
-
-    def __init__(self, c: int = 8) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, c, 3, padding=1)
-        self.cls = nn.Parameter(torch.randn(1, 1, c))
-        self.kv = nn.Linear(c, 2 * c)
-        self.head = nn.Linear(c, 5)
-
-    def forward(self, x):
-        x = self.stem(x).relu()
-        n, c, h, w = x.shape
-        k, v = self.kv(x.flatten(2).transpose(1, 2)).chunk(2, dim=-1)
-        q = self.cls.expand(n, 1, c)
-        a = F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
-        return self.head(a.squeeze(1).squeeze(1))
 
 
 def _compile(model: nn.Module, shape: tuple[int, ...], **plan) -> fxpar.Program:

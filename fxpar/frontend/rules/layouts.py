@@ -18,10 +18,10 @@ from typing import Any, ClassVar
 
 from torch import fx
 
-from fxpar.core import meta
-from fxpar.core.meta import TensorInfo
 from fxpar.frontend.rules.aten_ops import arg
-from fxpar.frontend.rules.dims import NoRule
+from fxpar.frontend.rules.dims import Multi as Multi  # re-exported: a token rule's outputs
+from fxpar.frontend.rules.dims import NoRule, tiled
+from fxpar.frontend.rules.dims import shape as shape  # re-exported: the token rules read it
 
 Axes = tuple[tuple[int, int], ...]
 """The factors one tensor dim holds, row-major, each ``(axis, extent)``: ``axis >= 0`` a grid
@@ -59,9 +59,6 @@ def normal(axes: Axes) -> Axes:
 Layout = tuple[Axes, ...]
 """Per tensor dim, its :data:`Axes`."""
 
-
-class Multi(tuple):
-    """The layouts of an op with several outputs (split, unbind, max with indices)."""
 
 
 class Scores(tuple):
@@ -130,18 +127,6 @@ def size_of(axes: Axes) -> int:
     return math.prod(e for _, e in axes)
 
 
-def shape(n: Any) -> tuple[int, ...]:
-    info = meta.find(n, TensorInfo) if isinstance(n, fx.Node) else None
-    if info is None or len(info.shapes) != 1:
-        raise NoRule(f"{getattr(n, 'name', n)!r} has no single tensor shape")
-    return tuple(info.shape)
-
-
-def tiled(lay: Any) -> bool:
-    """Whether a layout holds any grid axis (a tile of the image, not a whole value)."""
-    if isinstance(lay, Multi):
-        return any(tiled(x) for x in lay)
-    return lay is not None and any(lay)
 
 
 def dim_of(n: fx.Node, pos: int, default: Any, rank: int) -> int:

@@ -29,14 +29,19 @@ def pad(n: fx.Node, st: State) -> TokenLayout:
     return TokenLayout(lay)
 
 
+def roll_args(n: fx.Node) -> tuple[list[int], list[int]]:
+    """(shifts, dims) of ``aten.roll`` node ``n``, each a list."""
+    shifts, dims = arg(n, 1, []), arg(n, 2, [])
+    return ([shifts] if isinstance(shifts, int) else list(shifts),
+            [dims] if isinstance(dims, int) else list(dims))
+
+
 def roll(n: fx.Node, st: State) -> TokenLayout:
     """torch.roll: along dims that are not split, on the tile; along split dims (Swin's
     shifted windows on (N, H, W, C)) a wrapped exchange, for a tensor that is an image in
     another dim order (each grid axis alone in a dim, two other dims)."""
     lay = first_tiled(n, st)
-    shifts, dims = arg(n, 1, []), arg(n, 2, [])
-    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
-    dims = [dims] if isinstance(dims, int) else list(dims)
+    shifts, dims = roll_args(n)
     if not dims:
         raise NoRule("a roll of the flattened tensor")
     split = tuple((int(d) % len(lay), int(sh)) for sh, d in zip(shifts, dims, strict=True)
