@@ -372,9 +372,10 @@ def tile_stage(stage: fx.GraphModule, grid: Grid, tile: int, key: str,
             continue  # the model's output leaves as it is: tiles for a loss on tiles
         info = meta.find(n, TokenLayout)
         if info is not None:  # in a token layout (fxpar.passes.tile_tokens)
-            _whole_inputs(ctx, n)
+            if info.action != "unfold":  # an unfold's halo takes its window of a whole input
+                _whole_inputs(ctx, n)
             tile_token_node(gm, n, info, grid, tile, key, ctx.add, ctx.tag,
-                            lambda at, x, needs: _halo(ctx, at, x, needs, 0.0, True))
+                            lambda at, x, needs, wrap: _halo(ctx, at, x, needs, 0.0, wrap))
             continue
         if _tiled(n):
             _island_entry(ctx, n)

@@ -24,6 +24,12 @@ float32 gradients: float32 master weights and optimizer state), activations, hal
 pipeline messages are in the compute dtype, and it behaves the same on every device. The
 policy is that of CPU autocast (the device fxpar compiles on); the graph is re-analysed so
 that shapes, dtypes, message sizes and memory estimates follow the casts.
+
+A model's own ``with torch.autocast(...)`` blocks (captured as an ``AutocastRegion`` on each of
+their ops, fxpar.frontend.hops) decide for their ops: ``enabled=False`` (EfficientViT's linear
+attention) gets no casts, whatever the plan, as autocast makes none there on one process;
+``enabled=True`` gets the casts of the block's dtype, under any plan (``"fp32"`` too), on
+every device: the block's device type is not consulted.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fxpar.core import meta
 from fxpar.core.meta import TensorInfo
 from fxpar.core.plan import PRECISION_DTYPES, Plan
+from fxpar.frontend.hops import AutocastRegion
 from fxpar.frontend.trace import analyze
 
 aten = torch.ops.aten
@@ -62,11 +69,31 @@ class _CastLog(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+"""The dtypes CPU autocast computes in (the policy the pass asks)."""
+
+
+def cast_dtype(n: fx.Node, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype autocast computes ``n`` in: the plan's ``dtype`` (None: no autocast), unless
+    the model's own autocast block around ``n`` says otherwise."""
+    region = meta.find(n, AutocastRegion)
+    if region is None:
+        return dtype
+    if not region.enabled:
+        return None
+    if region.dtype not in AUTOCAST_DTYPES:
+        raise NotImplementedError(
+            f"{n.name}: the model computes under torch.autocast(dtype={region.dtype}), which "
+            f"fxpar does not support inside a model (only {AUTOCAST_DTYPES}); remove the "
+            "block, or give the whole model one precision with Plan(precision=...)")
+    return region.dtype
+
+
 class _Probe(fx.Interpreter):
     """Runs the graph on fake CPU tensors under autocast and records, per node, the casts
     autocast makes of its inputs that the op would not make without autocast."""
 
-    def __init__(self, gm: fx.GraphModule, dtype: torch.dtype) -> None:
+    def __init__(self, gm: fx.GraphModule, dtype: torch.dtype | None) -> None:
         super().__init__(gm)
         self.dtype = dtype
         self.casts: dict[fx.Node, dict[fx.Node, torch.dtype]] = {}
@@ -87,11 +114,12 @@ class _Probe(fx.Interpreter):
         return self._attrs[target]
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.op not in ("call_function", "call_module"):
+        dtype = cast_dtype(n, self.dtype)
+        if n.op not in ("call_function", "call_module") or dtype is None:
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         watched = {id(t): t for t in _tensors((args, kwargs))}
-        with _CastLog(watched) as log, torch.autocast("cpu", dtype=self.dtype):
+        with _CastLog(watched) as log, torch.autocast("cpu", dtype=dtype):
             out = getattr(self, n.op)(n.target, args, kwargs)
         if log.casts:
             try:
@@ -141,10 +169,12 @@ def insert_casts(gm: fx.GraphModule, casts: dict[fx.Node, dict[fx.Node, torch.dt
 
 
 def precision(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """The pass: nothing for ``precision="fp32"``; else autocast's casts made explicit and the
-    graph re-analysed (shapes, dtypes, costs)."""
+    """The pass: nothing for ``precision="fp32"`` (unless the model has an enabled autocast
+    block); else autocast's casts made explicit and the graph re-analysed (shapes, dtypes,
+    costs)."""
     dtype = PRECISION_DTYPES[plan.precision]
-    if dtype is None:
+    if dtype is None and not any(r.enabled for n in gm.graph.nodes
+                                 if (r := meta.find(n, AutocastRegion)) is not None):
         return gm
     insert_casts(gm, autocast_casts(gm, dtype))
     gm.graph.lint()

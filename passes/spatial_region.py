@@ -181,11 +181,13 @@ def _walk(gm: fx.GraphModule, grid: Grid, islands: dict[fx.Node, str],
         reason = _reason(gm, n, ins, tiled, grid)
         if reason is None:
             continue  # a global reduction: the region goes on past it
+        refused = ""  # why a token block with a rule for n cannot start at n
         if reason and n not in forbidden and n.op == "call_function":
             try:  # a block in a token layout may start here
                 info = tokens.token_layout(gm, n, st)
-            except NoRule:
+            except NoRule as e:
                 info = None
+                refused = str(e) if tokens.rule_of(gm, n) is not None else ""
             if info is not None and _token_node(n, info, grid, tiled, st):
                 if n in tiled and meta.get(n, SpatialLayout).island:
                     blocks[n] = frozenset({n})
@@ -193,6 +195,8 @@ def _walk(gm: fx.GraphModule, grid: Grid, islands: dict[fx.Node, str],
         if reason:
             if n in forbidden:
                 reason += f"; the token block it starts stops at {forbidden[n]}"
+            elif refused:
+                reason += f"; no token block starts here: {refused}"
             meta.put(n, SpatialLayout(False, f"region ends at {n.name!r}: {reason}"))
             continue
         tiled.add(n)

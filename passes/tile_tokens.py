@@ -10,6 +10,8 @@ gave a :class:`TokenLayout`. What it does follows the node's ``action``:
   partial, one allreduce, finished on the sum);
 - ``"contract"``: a product over a split dim (linear attention's ``k^T v``) is the tile's
   product summed over the tiles (``fxpar::allreduce``);
+- ``"unfold"``: Tensor.unfold along a split dim (HaloNet's key windows) on the tile's cells
+  and the halo its windows reach into (a ``Halo`` exchange, as for a convolution);
 - ``"ring"`` / ``"gather"``: attention over split keys becomes ``RingAttention`` (tiled
   queries) or ``GatherAttention`` (replicated queries), fxpar.runtime.spatial.attention.
 
@@ -42,14 +44,14 @@ from fxpar.frontend.rules.tokens import Axes, Multi, TokenLayout
 from fxpar.runtime.spatial.attention import GatherAttention, RingAttention
 from fxpar.runtime.spatial.lossops import TileReduceDims
 from fxpar.runtime.spatial.norms import TileGroupNorm
-from fxpar.runtime.spatial.tokens import TileCells, TileSoftmax
+from fxpar.runtime.spatial.tokens import GroupCells, TileCells, TileSoftmax
 
 aten = torch.ops.aten
 AddModule = Callable[[str, nn.Module], str]
 """``(prefix, module) -> name``: adds a submodule to the tile's stage."""
-Halo = Callable[[fx.Node, fx.Node, list[Rect]], fx.Node]
-"""``(before, x, needs) -> window``: inserts a wrapped exchange giving this tile ``needs[t]``
-of the (N, C, H, W) value ``x`` (fxpar.passes.halo)."""
+Halo = Callable[[fx.Node, fx.Node, list[Rect], bool], fx.Node]
+"""``(before, x, needs, wrap) -> window``: inserts an exchange giving this tile ``needs[t]``
+of the (N, C, H, W) value ``x``, wrapping around the image if ``wrap`` (fxpar.passes.halo)."""
 
 
 def intervals(axes: Axes, grid: Grid, t: int) -> tuple[Interval, ...]:
@@ -110,6 +112,8 @@ def tile_token_node(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Gri
         replace_node(g, n, new)
     elif info.action == "roll":
         _roll(gm, n, info, grid, t, halo)
+    elif info.action == "unfold":
+        _unfold(gm, n, info, grid, t, halo)
     elif info.action == "pending":
         pass  # part of an attention chain: gone once its end is rewritten
     elif info.action in ("ring", "gather"):
@@ -155,8 +159,10 @@ def _attention(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Grid, t:
                key: str, add: AddModule, tag: Callable[[], int]) -> None:
     """scaled_dot_product_attention over split keys -> ring / gathered attention."""
     dead: list[fx.Node] = []
+    mask = None
     if n.target.overloadpacket is aten.scaled_dot_product_attention:
         q, k, v = n.args[:3]
+        mask = arg(n, 3, None)
         assert isinstance(q, fx.Node) and isinstance(k, fx.Node)
         e = meta.get(q, TensorInfo).shape[-1]
         scale = arg(n, 6, None)
@@ -170,11 +176,29 @@ def _attention(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Grid, t:
         module = GatherAttention(key, scale)
     name = add(info.action, module)
     with gm.graph.inserting_before(n):
-        new = gm.graph.call_module(name, (q, k, v))
+        bias = _bias(gm.graph, mask, q, k, grid, t, add) if isinstance(mask, fx.Node) else None
+        new = gm.graph.call_module(name, (q, k, v) if bias is None else (q, k, v, bias))
     replace_node(gm.graph, n, new)
     for d in dead:  # the scores, scaling and softmax of one tile: no longer used
         if not d.users:
             gm.graph.erase_node(d)
+
+
+def _bias(g: fx.Graph, mask: fx.Node, q: fx.Node, k: fx.Node, grid: Grid, t: int,
+          add: AddModule) -> fx.Node:
+    """Ring attention's bias from a whole attention mask (..., Lq, Lk): its rows this tile's
+    queries, its columns every tile's keys in rank order (the ring's)."""
+    s = meta.get(mask, TensorInfo).shape
+    node = mask
+    if s[-2] != 1:
+        qa = key_axes(q)
+        node = g.call_module(add("cells", TileCells(len(s) - 2, qa, intervals(qa, grid, t))),
+                             (node,))
+    if s[-1] != 1:
+        ka = key_axes(k)
+        boxes = tuple(intervals(ka, grid, u) for u in range(grid.size))
+        node = g.call_module(add("cells", GroupCells(len(s) - 1, ka, boxes)), (node,))
+    return node
 
 
 def attention_chain(gm: fx.GraphModule, n: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, float,
@@ -243,7 +267,7 @@ def _roll(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Grid, t: int,
     moved.meta.pop(TokenLayout.KEY, None)
     meta.put(moved, TensorInfo((tuple(whole[i] for i in order),),
                                (meta.get(x, TensorInfo).dtype,)))
-    win = halo(n, moved, needs)
+    win = halo(n, moved, needs, True)
     rest = [(d, s) for d, s in zip(*_shifts(n), strict=True) if d not in dict(info.roll)]
     with g.inserting_before(n):
         new = g.call_function(aten.permute.default, (win, back))
@@ -258,3 +282,52 @@ def _shifts(n: fx.Node) -> tuple[list[int], list[int]]:
     shifts, dims = roll_args(n)
     rank = len(meta.get(n, TensorInfo).shape)
     return [int(d) % rank for d in dims], [int(s) for s in shifts]
+
+
+def _unfold(gm: fx.GraphModule, n: fx.Node, info: TokenLayout, grid: Grid, t: int,
+            halo: Halo) -> None:
+    """Tensor.unfold(dim, size, step) along a split dim: the tile's windows j0:j1 read cells
+    ``[j0 * step, (j1 - 1) * step + size)`` of the dim. The input (the image in some dim order,
+    fxpar.frontend.rules.token_ops.unfold) is moved to (1, rest, *image dims) for the exchange
+    that brings them, moved back, and unfolded as it is."""
+    g = gm.graph
+    x = n.args[0]
+    assert isinstance(x, fx.Node)
+    whole = tuple(meta.get(x, TensorInfo).shape)
+    d = int(n.args[1]) % len(whole)
+    size, step = int(n.args[2]), int(n.args[3])
+    lay = list(info.layout[:-1])
+    axis = lay[d][0][0]
+    lay[d] = ((axis, whole[d]),)
+    image = [i for _, i in sorted((axes[0][0], i) for i, axes in enumerate(lay)
+                                  if axes and axes[0][0] >= 0)]
+    rest = [i for i in range(len(lay)) if i not in image]
+    order, extent = rest + image, tuple(whole[i] for i in image)
+    windows = meta.get(n, TensorInfo).shape[d]
+    needs = []
+    for u in range(grid.size):
+        j0, j1 = tile(windows, grid.parts[axis], grid.position(u)[axis])
+        own = grid.tile_rect(extent, u).dims
+        needs.append(Rect(*((j0 * step, (j1 - 1) * step + size) if k == axis else iv
+                            for k, iv in enumerate(own))))
+    lead = [whole[i] for i in rest]
+    moved, flat = x, len(rest) != 2
+    with g.inserting_before(n):
+        if order != list(range(len(order))):
+            moved = g.call_function(aten.permute.default, (moved, order))
+        if flat:
+            mine = grid.tile_rect(extent, t).shape
+            moved = g.call_function(aten.reshape.default, (moved, [1, math.prod(lead), *mine]))
+    if moved is not x:
+        moved.meta.update(x.meta)
+        moved.meta.pop(TokenLayout.KEY, None)
+        outer = (1, math.prod(lead)) if flat else tuple(lead)
+        meta.put(moved, TensorInfo(((*outer, *extent),), (meta.get(x, TensorInfo).dtype,)))
+    win = halo(n, moved, needs, False)
+    with g.inserting_before(n):
+        if flat:
+            win = g.call_function(aten.reshape.default, (win, [*lead, *needs[t].shape]))
+        if order != list(range(len(order))):
+            win = g.call_function(aten.permute.default,
+                                  (win, [order.index(i) for i in range(len(order))]))
+    n.args = (win, *n.args[1:])

@@ -11,6 +11,8 @@ graph is what the model does, not what a symbolic tracer guessed. Parameters and
 The captured graph is then normalised for fxpar (:func:`normalize`):
 
 - the export wrappers go: the guard call, the pytree (un)flattening of inputs and output;
+- the bodies of ``with torch.autocast(...)`` blocks, which export captures as higher-order
+  ops, are inlined as plain ATen ops, what the block set kept as data (fxpar.frontend.hops);
 - ops whose behaviour depends on train/eval mode, which export bakes in as a constant, become
   small modules that read the stage module's mode (:class:`BatchNormOp` also owns the
   ``num_batches_tracked += 1`` that export records as a separate ``aten.add_``,
@@ -50,6 +52,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxpar.core.fxgraph import graph_module, lazy_code, replace_node
 from fxpar.core.meta import pretty_path
 from fxpar.core.modelkeys import MODEL_KEYS, ModelKeys
+from fxpar.frontend.hops import inline_blocks
 from fxpar.frontend.rules.chains import fuse_chains
 from fxpar.runtime.modules import BatchNormOp, DropoutOp
 
@@ -206,6 +209,7 @@ def _explain(model: nn.Module, e: Exception, module: str = "") -> str:
 def normalize(exported: fx.GraphModule, class_name: str) -> fx.GraphModule:
     """A plain ``fx.GraphModule`` (no pytree code generation, no export guard) over the same
     tensors, with mode-dependent ops as :class:`BatchNormOp` / :class:`DropoutOp` modules."""
+    inline_blocks(exported)
     graph = exported.graph
     for n in list(graph.nodes):
         if n.op == "call_module" and str(n.target).startswith("_guards"):

@@ -44,6 +44,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.fuzz import tokens
 from helpers.fuzz.graphs import Spec, build, compute_nodes, plans, specs
 from helpers.fuzz.pool import Pool
 from helpers.torchbugs import instance_norm_grad_bug
@@ -62,17 +63,21 @@ CI_EXAMPLES = 40
 CI_ATTENTION_EXAMPLES = 8
 """Examples of models with a token block CI checks besides (the 40 random models drew 4 token
 blocks, none of them attention on tiles)."""
+CI_WINDOW_EXAMPLES = 12
+"""Examples of models with a windowed-attention block CI checks besides."""
 LONG = int(os.environ.get("FXPAR_FUZZ_EXAMPLES", "0"))
 
 
 @st.composite
-def cases(draw: st.DrawFn, token_block: bool = False) -> tuple[Spec, dict[str, Any]]:
-    spec = draw(specs(max_blocks=2, token_block=True) if token_block else specs())
+def cases(draw: st.DrawFn, token_block: bool = False, kinds: tuple[str, ...] = tokens.KINDS
+          ) -> tuple[Spec, dict[str, Any]]:
+    spec = draw(specs(max_blocks=2, token_block=True, kinds=kinds) if token_block else specs())
     return spec, draw(plans(spec))
 
 
 ATTENTION = {"ring": "ring attention", "gather": "gathered attention (class token)",
-             "contract": "linear attention's k^T v over the tiles"}
+             "contract": "linear attention's k^T v over the tiles",
+             "roll": "shifted windows (a wrapped exchange)"}
 """Token actions of the tile rewrite (fxpar.passes.tile_tokens) the run counts, by what they
 are."""
 
@@ -121,6 +126,7 @@ def torch_bug(spec: Spec, plan_kw: dict[str, Any]) -> str:
 def _settings(examples: int = CI_EXAMPLES) -> settings:
     common: dict[str, Any] = dict(deadline=None, database=None, print_blob=True,
                                   suppress_health_check=[HealthCheck.too_slow,
+                                                         HealthCheck.filter_too_much,
                                                          HealthCheck.data_too_large])
     if LONG:
         return settings(max_examples=LONG, **common)
@@ -205,6 +211,17 @@ def test_random_attention_blocks_train_exactly_like_one_process(pool):
     stats = fuzz(pool, cases(token_block=True), CI_ATTENTION_EXAMPLES)
     assert stats["checked"] > stats["rejected by compile"], stats
     assert stats["checked with ring attention on tiles"], stats
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(1800 if LONG else 300)
+def test_random_windowed_attention_blocks_train_exactly_like_one_process(pool):
+    """Swin's attention in windows, shifted or not, in models of 1 or 2 blocks under random
+    plans: on tiles where every tile holds whole windows (a shift is a wrapped exchange), else
+    the region ends at the block."""
+    stats = fuzz(pool, cases(token_block=True, kinds=tokens.WINDOW), CI_WINDOW_EXAMPLES)
+    assert stats["checked with token block window"], stats
+    assert stats["checked with shifted windows (a wrapped exchange) on tiles"], stats
 
 
 CAUSAL = {"seed": 1, "batch": 2, "channels": 2, "size": [9, 7], "classes": 3, "head": "seg",

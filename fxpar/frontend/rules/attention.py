@@ -31,6 +31,7 @@ from fxpar.frontend.rules.layouts import (
     State,
     TokenLayout,
     shape,
+    size_of,
     tiled,
 )
 
@@ -87,22 +88,52 @@ def einsum_attention(terms: list[str], out: str, operands: list[Any], st: State
 
 
 def attention(n: fx.Node, st: State) -> TokenLayout:
-    """scaled_dot_product_attention(q, k, v): keys split over the tiles -> ring attention
-    (tiled queries) or merged partial attention (replicated queries, a class token); keys
-    whole -> each query on its own tile."""
+    """scaled_dot_product_attention(q, k, v, mask): keys split over the tiles -> ring attention
+    (tiled queries; a mask becomes the ring's bias, its rows the tile's queries and its columns
+    every tile's keys in rank order) or merged partial attention (replicated queries, a class
+    token); keys whole -> each query on its own tile (a mask varying along a split dim cut to
+    the tile's cells)."""
     q, k, v = n.args[:3]
-    if arg(n, 3, None) is not None or float(arg(n, 4, 0.0)) or bool(arg(n, 5, False)):
-        raise NoRule("attention with a mask, dropout or is_causal over tiled tokens")
+    mask = arg(n, 3, None)
+    if float(arg(n, 4, 0.0)) or bool(arg(n, 5, False)):
+        raise NoRule("attention with dropout or is_causal over tiled tokens")
+    if isinstance(mask, fx.Node) and tiled(st.layout(mask)):
+        raise NoRule("attention whose mask is itself split over the tiles")
     lq, lk, lv = (st.layout(x) for x in (q, k, v))
     if tiled(lk) != tiled(lv) or tiled(lk) and lk[:-1] != lv[:-1]:
         raise NoRule("its keys and values are not tiled alike")
+    if not tiled(lk) or not st.split(lk[-2]):  # per window: batch dims may be split alike
+        if any(tiled(la) and st.split(la[-1]) for la in (lq, lk, lv)) or tiled(lk) and (
+                not tiled(lq) or lq[:-2] != lk[:-2]) and any(st.split(a) for a in lk[:-2]):
+            raise NoRule("attention whose queries and keys are split along different dims")
+        out = (*lq[:-1], lv[-1] if tiled(lv) else ()) if tiled(lq) else None
+        return TokenLayout(out, sliced=_mask_cut(mask, out, st))
+    if not tiled(lq):
+        if mask is not None:
+            raise NoRule("a mask on replicated queries attending to split keys")
+        return TokenLayout(None, "gather")
     for lay in (lq, lk):
-        if tiled(lay) and any(st.split(a) for i, a in enumerate(lay) if i != len(lay) - 2):
+        if any(st.split(a) for i, a in enumerate(lay) if i != len(lay) - 2):
             raise NoRule("attention over a tensor split along a dim other than its tokens")
-    if not tiled(lk) or not st.split(lk[-2]):
-        return TokenLayout(lq if tiled(lq) else None)
-    return TokenLayout(lq, "ring") if tiled(lq) else TokenLayout(None, "gather")
+    if isinstance(mask, fx.Node):
+        want = (size_of(lq[-2]), size_of(lk[-2]))
+        if any(s not in (1, w) for s, w in zip(shape(mask)[-2:], want, strict=False)):
+            raise NoRule(f"a mask of shape {shape(mask)} over {want[0]} queries and "
+                         f"{want[1]} keys")
+    return TokenLayout(lq, "ring")
 
+
+def _mask_cut(mask: Any, out: Any, st: State) -> tuple[int, ...]:
+    """(3,) when the attention ``mask`` (aligned from the right with the output, keys whole)
+    varies along a split dim (the rewrite cuts it to the tile's cells), else ()."""
+    if not isinstance(mask, fx.Node) or out is None:
+        return ()
+    s = shape(mask)
+    off = len(out) - len(s)
+    varying = [i for i, size in enumerate(s) if size != 1 and st.split(out[off + i])]
+    if any(s[i] != size_of(out[off + i]) for i in varying):
+        raise NoRule(f"a mask of shape {s} is whole and not the image's size")
+    return (3,) if varying else ()
 
 
 SCALING = {aten.mul, aten.div}

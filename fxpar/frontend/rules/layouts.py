@@ -82,7 +82,8 @@ class TokenLayout:
     the split dims: ``reduce`` holds (kind, dims, keepdim, count, ord)), ``"contract"`` (a
     product over a split dim: the tile's product, summed over the tiles), ``"ring"`` / ``"gather"``
     (attention over split keys, from tiled / replicated queries), ``"roll"`` (torch.roll over
-    split dims: Swin's shifted windows), ``"pending"`` (inside an attention chain).
+    split dims: Swin's shifted windows), ``"unfold"`` (Tensor.unfold along a split dim: the
+    tile's windows, with a halo), ``"pending"`` (inside an attention chain).
     ``sliced``: positions of whole operands that vary along a split dim (each rank takes its
     tile's cells)."""
 

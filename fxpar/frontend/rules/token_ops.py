@@ -1,7 +1,7 @@
 """Token-layout rules for ops beyond views, reductions and attention (fxpar.frontend.rules.
 tokens' :data:`RULES` holds them): padding of nothing, torch.roll over split dims (Swin's
-shifted windows), expand_as, group norm over split dims, 1x1 convolutions per position, and
-fresh values made from a tiled one."""
+shifted windows), Tensor.unfold (HaloNet's overlapping windows), expand_as, group norm over
+split dims, 1x1 convolutions per position, and fresh values made from a tiled one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ from torch import fx
 
 from fxpar.frontend.rules.aten_ops import arg
 from fxpar.frontend.rules.dims import NoRule
-from fxpar.frontend.rules.layouts import State, TokenLayout, first_tiled, shape, tiled
+from fxpar.frontend.rules.layouts import (
+    State,
+    TokenLayout,
+    dim_of,
+    first_tiled,
+    image_factor,
+    shape,
+    tiled,
+)
 
 aten = torch.ops.aten
 
@@ -23,10 +31,51 @@ def pad(n: fx.Node, st: State) -> TokenLayout:
     if packet is aten.pad and arg(n, 2, "constant") != "constant":
         raise NoRule("reflect, replicate or circular padding in a token layout")
     pads = [int(v) for v in arg(n, 1, [])]
+    out = list(lay)
     for i in range(len(pads) // 2):
-        if (pads[2 * i] or pads[2 * i + 1]) and lay[len(lay) - 1 - i]:
+        d = len(lay) - 1 - i
+        if not (pads[2 * i] or pads[2 * i + 1]):
+            continue
+        if st.split(lay[d]):
+            raise NoRule("it pads a dim of the image that is split over the tiles (positions "
+                         "inside windows wider than a tile?): choose an image size or a number "
+                         "of parts whose tiles hold whole windows")
+        if any(image_factor(f) for f in lay[d]):
             raise NoRule("it pads a dim of the image in a token layout")
-    return TokenLayout(lay)
+        out[d] = ()  # positions inside windows (HaloNet's relative logits): held whole
+    return TokenLayout(tuple(out))
+
+
+def unfold(n: fx.Node, st: State) -> TokenLayout:
+    """Tensor.unfold(dim, size, step): windows of ``size`` cells every ``step`` cells along
+    ``dim``, the position inside a window a new last dim every tile holds whole (HaloNet's
+    overlapping key windows: ``F.pad``, then ``unfold(2, win, block).unfold(3, win, block)``).
+    Along a dim that holds one image axis the window index takes the axis, at the windows'
+    count; when that axis is split each tile makes its own windows (``"unfold"``): a halo
+    brings the cells they reach past its edge, as for a convolution (fxpar.passes.
+    tile_tokens). Every tile must hold a window."""
+    lay = first_tiled(n, st)
+    d = dim_of(n, 1, 0, len(lay))
+    size, step = int(arg(n, 2, 1)), int(arg(n, 3, 1))
+    count = shape(n)[d]
+    if len(lay[d]) != 1 or not image_factor(lay[d][0]):
+        if st.split(lay[d]):
+            raise NoRule("it unfolds a dim that holds more than one image axis")
+        return TokenLayout((*lay[:d], (), *lay[d + 1:], ()))
+    (axis, extent), = lay[d]
+    out = (*lay[:d], ((axis, count),), *lay[d + 1:], ())
+    if not st.split(lay[d]):
+        return TokenLayout(out)
+    if count < st.parts[axis]:
+        raise NoRule(f"{count} window(s) of {size} cells every {step} along a dim of {extent} "
+                     f"leave some of its {st.parts[axis]} tiles without one: choose an image "
+                     f"size or a number of parts whose tiles hold whole windows")
+    held = sorted(a[0][0] for a in lay if any(image_factor(f) for f in a))
+    if held != list(range(len(st.parts))) or \
+            any(len(a) != 1 for a in lay if any(image_factor(f) for f in a)):
+        raise NoRule("an unfold of a split dim of a tensor that is not the image in some dim "
+                     "order (each image axis alone in a dim)")
+    return TokenLayout(out, "unfold")
 
 
 def roll_args(n: fx.Node) -> tuple[list[int], list[int]]:

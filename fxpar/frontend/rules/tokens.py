@@ -76,6 +76,7 @@ from fxpar.frontend.rules.token_ops import (
     pad,
     replicated_factory,
     roll,
+    unfold,
 )
 
 __all__ = ["Axes", "Layout", "Multi", "Probs", "RULES", "Scores", "State", "TokenLayout",
@@ -428,7 +429,7 @@ RULES: dict[Any, Rule] = {
     aten.unflatten: view, aten.expand: expand,
     aten.matmul: matmul, aten.bmm: matmul, aten.einsum: einsum,
     aten.scaled_dot_product_attention: attention,
-    aten.pad: pad, aten.constant_pad_nd: pad, aten.roll: roll,
+    aten.pad: pad, aten.constant_pad_nd: pad, aten.roll: roll, aten.unfold: unfold,
     aten.expand_as: expand_as, aten.group_norm: group_norm,
     aten.conv1d: conv_1x1, aten.conv2d: conv_1x1, aten.conv3d: conv_1x1,
     aten.new_empty: replicated_factory, aten.new_zeros: replicated_factory,

@@ -55,6 +55,30 @@ class TileCells(nn.Module):
         return f"dim {self.dim}: the tile's cells {where} of {[e for _, e in self.axes]}"
 
 
+class GroupCells(nn.Module):
+    """``x``'s cells of every tile of a group along dim ``dim`` (holding image ``axes``), tile
+    after tile in rank order (``boxes``: each tile's intervals): the key columns of an attention
+    bias whose keys travel round the ring (fxpar.runtime.spatial.attention), in the order of
+    the ring's concatenated keys."""
+
+    def __init__(self, dim: int, axes: tuple[tuple[int, int], ...],
+                 boxes: tuple[tuple[Interval, ...], ...]) -> None:
+        super().__init__()
+        self.dim = dim
+        self.axes = tuple((int(a), int(e)) for a, e in axes)
+        self.boxes = tuple(tuple((int(a), int(b)) for a, b in box) for box in boxes)
+        self._index = torch.cat([cells(self.axes, box) for box in self.boxes])
+
+    def emit_args(self) -> dict[str, Any]:
+        return {"dim": self.dim, "axes": self.axes, "boxes": self.boxes}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(self.dim, self._index.to(x.device))
+
+    def extra_repr(self) -> str:
+        return f"dim {self.dim}: every tile's cells of {[e for _, e in self.axes]} in rank order"
+
+
 class TileSoftmax(TileOp):
     """``softmax(x, dim)`` along a dim split over the tile group ``key``: the maximum over all
     tiles (no gradient: a softmax does not depend on it), the exponentials' sum over all tiles

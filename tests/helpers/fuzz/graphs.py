@@ -426,18 +426,22 @@ def _block(draw: st.DrawFn, g: _Graph) -> None:
 
 
 @st.composite
-def specs(draw: st.DrawFn, max_blocks: int = 5, token_block: bool = False) -> Spec:
+def specs(draw: st.DrawFn, max_blocks: int = 5, token_block: bool = False,
+          kinds: tuple[str, ...] = tokens.KINDS) -> Spec:
     """A random small CNN: input 8..40 px a side (non-square allowed), batch 2..8, 1..4 input
     channels, 1..``max_blocks`` blocks, a head and 2..6 classes. ``token_block``: one of the
-    blocks is a token block (tests/helpers/fuzz/tokens.py)."""
+    blocks is a token block of one of ``kinds`` (tests/helpers/fuzz/tokens.py)."""
     c = draw(st.integers(1, 4))
-    hw = (draw(st.integers(8, 40)), draw(st.integers(8, 40)))
+    if token_block and set(kinds) <= set(tokens.WINDOW):  # sides that 2, 3, 4 tiles and
+        hw = (12 * draw(st.integers(1, 3)), 12 * draw(st.integers(1, 3)))  # windows divide
+    else:
+        hw = (draw(st.integers(8, 40)), draw(st.integers(8, 40)))
     g = _Graph(c, hw)
     blocks = draw(st.integers(1, max_blocks))
     at = draw(st.integers(0, blocks - 1)) if token_block else -1
     for i in range(blocks):
         if i == at:
-            tokens.draw_block(draw, g)
+            tokens.draw_block(draw, g, kinds)
         else:
             _block(draw, g)
     h, w = g.sizes[-1]

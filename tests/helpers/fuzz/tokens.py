@@ -21,8 +21,9 @@ One spec node of op ``"tokens"`` is one block::
 - ``linear``: ReLU linear attention, ``k^T v`` and ``sum k`` over every token, then per token
   ``q (k^T v) / (q . sum k)``, residual;
 - ``window``: Swin's attention within ``window`` x ``window`` windows, ``shift``ed by half a
-  window (torch.roll) or not. Off (:data:`WINDOWED`) until fxpar tiles windowed attention:
-  the hook for it.
+  window (torch.roll) or not: on tiles where every tile holds whole windows, else the region
+  ends at the block. Drawn only when asked for (:data:`WINDOW`), so that the fixed draws of
+  the other kinds stay what they were.
 
 A map of more than :data:`MAX_TOKENS` pixels first goes through a patch embedding (a conv with
 kernel = stride, as ViT's), so that one attention example stays well under a second.
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from hypothesis import reject
 from hypothesis import strategies as st
 from torch import nn
 
@@ -42,10 +44,10 @@ if TYPE_CHECKING:
     from helpers.fuzz.graphs import _Graph
 
 Spec = dict[str, Any]
-WINDOWED = False
-"""Draw ``window`` blocks (Swin's windowed and shifted-window attention). Off until fxpar tiles
-windowed attention (issue 40, the lead engineer's work in progress); then turn it on."""
-KINDS = ("mlp", "sdpa", "written", "cls", "linear") + (("window",) if WINDOWED else ())
+KINDS = ("mlp", "sdpa", "written", "cls", "linear")
+"""The kinds a token block is drawn from by default."""
+WINDOW = ("window",)
+"""Swin's windowed and shifted-window attention (tests/mpi/test_fuzz.py draws them apart)."""
 MAX_TOKENS = 144
 """Tokens (pixels) of the largest map an attention block is drawn on."""
 MAX_HEADS = 4
@@ -158,8 +160,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def draw_block(draw: st.DrawFn, g: _Graph) -> None:
-    """Append a token block (after a patch embedding where the map is large) to the trunk."""
+def draw_block(draw: st.DrawFn, g: _Graph, kinds: tuple[str, ...] = KINDS) -> None:
+    """Append a token block of one of ``kinds`` (after a patch embedding where the map is
+    large) to the trunk; a draw asking only for windows on a map no window tiles is
+    rejected."""
     x = g.last
     h, w = g.sizes[x]
     if h * w > MAX_TOKENS:  # ViT's patch embedding: kernel = stride = s
@@ -168,8 +172,10 @@ def draw_block(draw: st.DrawFn, g: _Graph) -> None:
                    "s": [s, s], "p": [0, 0], "d": [1, 1], "groups": 1, "bias": True})
         h, w = g.sizes[x]
     c = g.chans[x]
-    kinds = [k for k in KINDS if k != "window" or _windows(h, w)]
-    kind = draw(st.sampled_from(kinds))
+    fit = [k for k in kinds if k != "window" or _windows(h, w)]
+    if not fit:
+        reject()
+    kind = draw(st.sampled_from(fit))
     node: Spec = {"op": "tokens", "src": [x], "kind": kind,
                   "heads": draw(st.sampled_from([d for d in _divisors(c) if d <= MAX_HEADS])),
                   "pos": h * w if kind != "window" and draw(st.booleans()) else 0}

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from helpers.attention_models import efficientvit_b0
 from helpers.transparency import Case, check
 from torch import nn
 
@@ -130,6 +131,17 @@ MODELS: dict[str, Model] = {
     "timm_edgenext_xx_small": Model(_timm("edgenext_xx_small"), (64, 64), 0.95),
     "timm_mobilevitv2_050": Model(_timm("mobilevitv2_050"), (64, 64), 0.95),
     "smp_MAnet": Model(_smp("MAnet"), (64, 64), 0.95, segmentation=True),
+    # block attention in windows on the tiles, grid attention over cells of every tile (ring
+    # attention with its relative-position bias): windows of 2 at 64^2
+    "timm_maxvit_nano_rw_256": Model(_timm("maxvit_nano_rw_256", img_size=64), (64, 64), 0.95),
+    # overlapping key windows (a halo per block); at 256^2 its last block's one window is the
+    # whole 8x8 map and runs whole
+    "timm_halonet26t": Model(_timm("halonet26t"), (256, 256), 0.95),
+    # linear attention inside torch.autocast(enabled=False), here in the model's dtype
+    # (tests/mpi/cases/efficientvit_cases.py also trains timm's float32 attention)
+    "timm_efficientvit_b0": Model(lambda: efficientvit_b0(float64_attention=True), (128, 128),
+                                  0.95),
+    "timm_tresnet_m": Model(_timm("tresnet_m"), (64, 64), 0.95),
     "smp_PSPNet": Model(_smp("PSPNet", psp_dropout=0.0, encoder_depth=5, upsampling=32),
                         (96, 96), 0.95, segmentation=True),
 }
@@ -185,6 +197,9 @@ CI_NOT_SP2 = {
                           "halvings allow) a 2-rank case was killed for memory on the 23 GB "
                           "test machine beside the rest of the suite",
     "timm_convnextv2_atto": "tests/mpi/cases/ops40_cases.py trains it under SP2 and SP4",
+    "timm_halonet26t": "tests/mpi/cases/halonet_cases.py trains it under SP2 and SP4",
+    "timm_efficientvit_b0": "tests/mpi/cases/efficientvit_cases.py trains it under SP2 and SP4",
+    "timm_tresnet_m": "tests/mpi/cases/ops40_cases.py trains it under SP2 and SP4",
     "smp_MAnet": "its one attention block (at 1/32 of the image) runs whole; smp_Unet trains "
                  "the same encoder (SP2 took 15 s)",
 }

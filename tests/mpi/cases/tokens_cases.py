@@ -161,6 +161,38 @@ class SoftmaxW(nn.Module):
         return self.b(self.a(x).softmax(3))
 
 
+class GridAttention(nn.Module):
+    """MaxViT's block and grid attention (timm maxxvit's window_partition / grid_partition)
+    on (N, H, W, C) with a learned bias per head over the partition's cells, given to
+    ``F.scaled_dot_product_attention`` as its mask: a block's cells stay on a tile, a grid
+    window's cells are one from every (H / g) x (W / g) block, so its keys span the tiles
+    (ring attention, the bias's columns in the ring's order)."""
+
+    def __init__(self, g: int = 2, c: int = 4, heads: int = 2) -> None:
+        super().__init__()
+        self.g, self.heads = g, heads
+        self.stem, self.out = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, 3, 3, padding=1)
+        self.qkv = nn.ModuleList(nn.Linear(c, 3 * c) for _ in range(2))
+        self.bias = nn.Parameter(torch.randn(2, heads, g * g, g * g))
+
+    def _attend(self, x, i):
+        b, n, c = x.shape
+        q, k, v = self.qkv[i](x).view(b, n, 3, self.heads, c // self.heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[i])
+        return x + y.transpose(1, 2).reshape(b, n, c)
+
+    def forward(self, x):
+        x = self.stem(x).permute(0, 2, 3, 1)
+        n, h, w, c = x.shape
+        g = self.g
+        t = x.view(n, h // g, g, w // g, g, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, g * g, c)
+        t = self._attend(t, 0).view(n, h // g, w // g, g, g, c).permute(0, 1, 3, 2, 4, 5)
+        x = t.reshape(n, g, h // g, g, w // g, c).permute(0, 2, 4, 1, 3, 5).reshape(-1, g * g, c)
+        x = self._attend(x, 1).view(n, h // g, w // g, g, g, c).permute(0, 3, 1, 4, 2, 5)
+        return self.out(x.reshape(n, h, w, c).permute(0, 3, 1, 2))
+
+
 P = fxpar.Plan
 
 
@@ -232,6 +264,43 @@ def case_softmax_over_split_w_p3():
 
 def case_token_mlp_sp2_dp2():
     run(lambda: TokenMLP(12, 10), (4, 3, 12, 10), P(spatial_parts=2, data_parallel=2))
+
+
+def case_grid_attention_bias_p2():
+    run(GridAttention, (2, 3, 8, 12), P(spatial_parts=2, slice="vertical"), segmentation=True,
+        classes=3)
+
+
+def case_grid_attention_bias_p4_square():
+    run(lambda: GridAttention(heads=1), (1, 3, 12, 8), P(spatial_parts=4, slice="square"),
+        segmentation=True, classes=3)
+
+
+def case_grid_bias_columns_out_of_ring_order_caught():
+    """Every tile takes the bias's key columns in reversed rank order: the ring attends to
+    the right keys with the wrong bias, which the check must catch on every rank."""
+    from helpers.equivalence import collect_failures
+
+    from fxpar.comm.world import world
+    from fxpar.runtime.spatial.tokens import GroupCells
+
+    original = GroupCells.forward
+
+    def reversed_ranks(self, x):  # type: ignore[no-untyped-def]
+        return original(self, x).flip(self.dim)
+
+    GroupCells.forward = reversed_ranks  # type: ignore[method-assign]
+    try:
+        with collect_failures() as failures:
+            check(Case(GridAttention, (2, 3, 8, 12), P(spatial_parts=2, slice="vertical"),
+                       classes=3, segmentation=True))
+    finally:
+        GroupCells.forward = original  # type: ignore[method-assign]
+    everyone = world().allgather_object(failures[:1])
+    assert all(everyone[:2]), everyone
+    if world().rank == 0:
+        print(f"bias columns out of the ring's order caught: {everyone[0][0][:100]}",
+              flush=True)
 
 
 torch.set_num_threads(1)
