@@ -354,8 +354,8 @@ def _share_why(rec: dict[str, Any], parts: int, sp: float, lim: float, speed: fl
                  f"(measured {speed:.2f}x); {rec.get('ended') or 'no reason recorded'}.")
     else:
         text += (" The whole model runs on tiles; the excess is ring attention's messages "
-                 "and its unfused block kernels (the limit runs SDPA's fused CPU kernel), "
-                 "halo exchanges and the gradient allreduce.")
+                 "and merges of its blocks, halo exchanges and the gradient allreduce (SP4 "
+                 "runs 4 ranks on this machine's 2 cores, as its limit does).")
     return text
 
 

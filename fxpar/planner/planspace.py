@@ -6,7 +6,9 @@ counts: its forward seconds per sample on the profile (``costmodel.node_seconds`
 cost per op and the roofline share), whether a spatial stage tiles it, its output bytes, the
 bytes live across a cut placed before it, and the parameter bytes it is the first to read; and
 for each tile grid, each windowed node's halo messages (``costmodel.halo_messages``, the middle
-tile). A candidate plan is then costed from prefix sums of these:
+tile) and each attention node's messages (``attention_comm.attention_traffic``: a ring's
+K and V blocks, forward and backward, their bytes sent one after another). A candidate plan is
+then costed from prefix sums of these:
 
 - stage cuts: :func:`stage_cuts` picks them with networkx over the positions where the fewest
   bytes cross (a layered DAG of (stage, position); the bottleneck stage's seconds found by
@@ -27,7 +29,6 @@ The estimate is checked against the full cost model on compiled programs in the 
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,8 +41,8 @@ from torch import fx, nn
 from fxpar.compiler.passdriver import run_passes
 from fxpar.core import meta
 from fxpar.core.geometry import Grid
-from fxpar.core.meta import NodeCost, TensorInfo
-from fxpar.core.plan import Plan, PlanError, RankMap
+from fxpar.core.meta import NodeCost
+from fxpar.core.plan import Plan, RankMap
 from fxpar.core.roles import chunks_per_copy
 from fxpar.core.schedule import Action, Schedule, chain, split_keys
 from fxpar.frontend.rules.opclass import BatchNorm, Norm, classify
@@ -52,36 +53,15 @@ from fxpar.passes.split_stages import compute_nodes, cut_traffic
 from fxpar.perf.costmodel import (
     OPTIMIZER_PASSES,
     _components,
-    _middle_tile,
-    _tile_bytes,
-    halo_messages,
     node_times,
 )
 from fxpar.perf.memory import peak_bytes, schedule_in_flight
 from fxpar.perf.profile import Profile
 from fxpar.perf.simulate import SimResult, Timing, simulate
+from fxpar.planner.gridterms import Halos, grid_terms
 
 TOLERANCE = 0.05
 """Cuts whose slowest stage is within this fraction of the best are ranked by traffic."""
-
-
-@dataclass(frozen=True)
-class Halos:
-    """One tile grid's halo terms per compute node, per sample: latency seconds (messages x
-    alpha, tile-op and statistics costs included), bytes of the largest message, bytes the
-    halo keeps for backward (its window: the tile's part of the input and what it received, as
-    ``memory.halo_bytes`` counts a plain ``Halo``)."""
-
-    fixed: tuple[float, ...]
-    largest: tuple[int, ...]
-    received: tuple[int, ...]
-    tiled: tuple[bool, ...]
-    """Tiled on this grid: the analysis' region, ended at the first output too small to give
-    every tile a cell (the rest is replicated, as the spatial region pass does)."""
-    ops: tuple[float, ...]
-    """The runtime's fixed seconds of the node's tile op (``Profile.tile_op`` of no bytes)."""
-    op_per_sample: tuple[float, ...]
-    """... and its seconds per sample of the tile (slowed down like compute)."""
 
 
 @dataclass
@@ -133,7 +113,8 @@ class ModelTable:
     def halo(self, grid: Grid) -> Halos | None:
         """The halo terms of ``grid`` (None when its tiles are too small for some window)."""
         if grid.parts not in self.halos:
-            self.halos[grid.parts] = _halos(self, grid)
+            self.halos[grid.parts] = grid_terms(self.gm, self.shape, self.profile, self.tiled,
+                                                  self.norm, grid)
         return self.halos[grid.parts]
 
 
@@ -188,44 +169,6 @@ def cut_positions(traffic: list[int]) -> list[int]:
     return out
 
 
-def _halos(t: ModelTable, grid: Grid) -> Halos | None:
-    if not grid.fits(tuple(t.shape[2:])):
-        return None
-    tile = _middle_tile(grid)
-    p2p, ar = t.profile.p2p_intra, t.profile.allreduce_intra
-    fixed, largest, received, flags = [], [], [], []
-    ops: list[float] = []
-    per_sample: list[float] = []
-    ended = False
-    for n, tiled, norm in zip(compute_nodes(t.gm), t.tiled, t.norm, strict=True):
-        info = meta.find(n, TensorInfo)
-        if tiled and info is not None and len(info.shape) == 2 + t.ndim and \
-                not grid.fits(tuple(info.shape[2:])):
-            ended = True
-        tiled = tiled and not ended
-        count, big, recv = 0, 0, 0
-        if tiled:
-            try:
-                count, big, recv = halo_messages(t.gm, n, grid, tile)
-            except (ValueError, AssertionError, PlanError):
-                return None  # a window larger than the neighbouring tile
-        op = bool(count or (tiled and norm))  # a tile op: the runtime's work, per sample
-        tile_bytes = _tile_bytes(n, 1.0 / grid.size) if op else 0.0  # its input's tile
-        if count:  # a Halo keeps its whole window: the tile and what it received
-            recv += int(tile_bytes)
-        f = count * p2p.alpha
-        ops.append(t.profile.tile_op(0.0) if op else 0.0)
-        per_sample.append(t.profile.tile_op(tile_bytes) - ops[-1] if op else 0.0)
-        if tiled and norm:
-            f += math.ceil(math.log2(grid.size)) * ar.alpha
-        fixed.append(f)
-        largest.append(big)
-        received.append(recv)
-        flags.append(tiled)
-    return Halos(tuple(fixed), tuple(largest), tuple(received), tuple(flags), tuple(ops),
-                 tuple(per_sample))
-
-
 @dataclass(frozen=True)
 class Stages:
     """A candidate's stages: bounds into the node order and seconds of one micro-batch."""
@@ -261,6 +204,10 @@ class _Sums:
         self.ops = pre(halos.ops if halos else [0.0] * n)
         self.op_sample = pre(halos.op_per_sample if halos else [0.0] * n)
         self.params = pre(t.params)
+        self.ring_fixed = tuple(pre(halos.ring_fixed[d] if halos else [0.0] * n)
+                                for d in range(2))
+        self.ring_bytes = tuple(pre(halos.ring_bytes[d] if halos else [0] * n)
+                                for d in range(2))
 
     def compute(self, a: int, b: int, mb: int, spatial: bool, back: bool = False) -> float:
         """Seconds of nodes [a, b) for ``mb`` samples, forward (or ``back``ward)."""
@@ -275,6 +222,11 @@ class _Sums:
         ops = (self.ops[b] - self.ops[a]) + mb * (self.op_sample[b] - self.op_sample[a])
         return (self.hfix[b] - self.hfix[a]) + mb * beta * (self.hbig[b] - self.hbig[a]) + \
             slow * ops
+
+    def ring(self, a: int, b: int, mb: int, beta: float, back: bool) -> float:
+        """Seconds of the attention messages of nodes [a, b), forward (or ``back``ward)."""
+        fixed, nbytes = self.ring_fixed[int(back)], self.ring_bytes[int(back)]
+        return fixed[b] - fixed[a] + mb * beta * (nbytes[b] - nbytes[a])
 
     def act(self, a: int, b: int, mb: int, spatial: bool) -> int:
         tiled = self.saved_t[b] - self.saved_t[a]
@@ -377,8 +329,9 @@ def stages_of(t: ModelTable, plan: Plan, mb: int, grid: Grid | None,
         lo, hi = bounds[j], bounds[j + 1]
         sp = j < s
         comm = sums.comm(lo, hi, mb, beta, slow) if sp else 0.0
-        f.append(slow * sums.compute(lo, hi, mb, sp) + comm)
-        b.append(slow * sums.compute(lo, hi, mb, sp, True) + comm)
+        ring = [sums.ring(lo, hi, mb, beta, d) if sp else 0.0 for d in (False, True)]
+        f.append(slow * sums.compute(lo, hi, mb, sp) + comm + ring[0])
+        b.append(slow * sums.compute(lo, hi, mb, sp, True) + comm + ring[1])
         act.append(sums.act(lo, hi, mb, sp))
     return Stages(tuple(bounds), tuple(f), tuple(b), tuple(act))
 

@@ -238,3 +238,40 @@ def test_compile_takes_what_plan_auto_returns():
     with pytest.raises(TypeError, match=r"fxpar.Plan\(...\) or what fxpar.plan_auto returns, "
                                         r"got dict"):
         fxpar.compile(model, {"stages": 2}, (8, 3, 64, 64))
+
+
+class _TokenAttention(torch.nn.Module):
+    """A patch embedding, global attention over every token (ring attention on tiles), back
+    to the image, a 1x1 head."""
+
+    def __init__(self, c: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Conv2d(3, c, 4, stride=4)
+        self.qkv = torch.nn.Linear(c, 3 * c)
+        self.head = torch.nn.Conv2d(c, 10, 1)
+
+    def forward(self, x):
+        x = self.embed(x)
+        n, c, h, w = x.shape
+        q, k, v = self.qkv(x.flatten(2).transpose(1, 2)).chunk(3, -1)
+        t = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.head(t.transpose(1, 2).reshape(n, c, h, w)).mean((2, 3))
+
+
+def test_fast_estimate_counts_ring_attention_messages(profile):
+    """On a slow link the ring's K and V blocks are most of an SP2 step: the fast estimate
+    must charge them as the full cost model of the compiled program does."""
+    import dataclasses
+
+    slow = dataclasses.replace(profile, p2p_intra=dataclasses.replace(
+        profile.p2p_intra, beta=profile.p2p_intra.beta * 1e4))
+    shape, plan = (4, 3, 128, 128), Plan(spatial_parts=2)
+    program = fxpar.compile(_TokenAttention(), plan, torch.empty(shape, device="meta"))
+    steps = {}
+    for name, prof in (("fast", profile), ("slow", slow)):
+        est = evaluate(analyse(_TokenAttention(), shape, prof), plan)
+        assert est is not None
+        full = predict(program, prof).makespan
+        assert est.step_s == pytest.approx(full, rel=0.05), (name, est.step_s, full)
+        steps[name] = est.step_s
+    assert steps["slow"] > 2 * steps["fast"], steps
