@@ -30,11 +30,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MPI = HERE / "mpi"
 MANY_RANKS = ["test_volumes3d.py", "test_losses.py", "test_schedules_mpi.py", "test_gems_dp.py",
-              "test_spatial.py", "test_recompute.py", "test_fusion.py", "test_pipeline.py"]
+              "test_spatial.py", "test_recompute.py", "test_fusion.py", "test_pipeline.py",
+              "test_halonet.py", "test_efficientvit.py"]
 """The files whose cases share one launch of 8 ranks: one stream. Those of 5 to 8 ranks, and
 the 4-rank cases of test_fusion.py and test_pipeline.py, which even out the two MPI streams
 (6a54aea: this one ended at 1,265 s, the other at 1,366 s; the fusion cases take about 65 s.
-9eb2092, narrow resnets: this one 825 s, the other 872 s; the pipeline cases about 45 s)."""
+9eb2092, narrow resnets: this one 825 s, the other 872 s; the pipeline cases about 45 s;
+HaloNet's and EfficientViT's 4-rank cases, about 65 and 55 s, for the attention files that
+joined the other stream)."""
 TIMED = ["test_faults.py", "test_fault_matrix.py", "test_comm.py", "test_checkpoint_crash.py",
          "test_fuzz.py"]
 """Files whose jobs or checks must end within a bound of wall time (a failing job within 90 s,

@@ -150,6 +150,13 @@ def _monai_net(name: str, dims: int) -> nn.Module:
                         norm=("group", {"num_groups": 2}))
 
 
+def _swin_unetr() -> nn.Module:
+    import monai.networks.nets as mn
+
+    return mn.SwinUNETR(in_channels=2, out_channels=CLASSES, feature_size=12, spatial_dims=2,
+                        depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), window_size=2)
+
+
 def _smp_unet() -> nn.Module:
     import segmentation_models_pytorch as smp
 
@@ -164,9 +171,11 @@ MODELS: dict[str, tuple[Callable[[int], nn.Module], dict[int, tuple[int, ...]]]]
     "monai_segresnet": (lambda dims: _monai_net("SegResNet", dims), {2: (4, 2, 16, 24),
                                                                       3: (4, 2, 8, 16, 8)}),
     "smp_unet": (lambda dims: _smp_unet(), {2: (4, 2, 32, 24)}),
+    "monai_swinunetr": (lambda dims: _swin_unetr(), {2: (2, 2, 64, 64)}),
 }
 """The models the losses train: the small net above (odd sizes) and library segmentation
-models (MONAI UNet, SegResNet, smp Unet; sizes their poolings divide)."""
+models (MONAI UNet, SegResNet, SwinUNETR with shifted windows of 2 on the tiles, smp Unet;
+sizes their poolings divide)."""
 
 
 FLOAT32_INSIDE = {"monai_focal", "monai_dicefocal"}
@@ -202,7 +211,9 @@ CHOSEN = [(a, b) for a in LOSSES for b in PLANS] if os.environ.get("FXPAR_LOSS_M
 LIBRARY = [("monai_dicece", "sp2", "monai_unet"), ("monai_dice", "sp2pp2", "monai_unet"),
            ("smp_dice", "sp2", "smp_unet"), ("ce_ignore", "sp2dp2", "smp_unet"),
            ("monai_gdice", "grid212", "monai_segresnet"),
-           ("monai_tversky", "sp4sq", "monai_segresnet")]
+           ("monai_tversky", "sp4sq", "monai_segresnet"),
+           ("monai_dicece", "sp2", "monai_swinunetr"),
+           ("monai_tversky", "sp4sq", "monai_swinunetr")]
 """(loss, plan, library model) triples, in CI and in the matrix (which adds every loss under
 every plan on the small net)."""
 
