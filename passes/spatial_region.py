@@ -28,6 +28,7 @@ from fxpar.core.meta import NodeCost, TensorInfo
 from fxpar.core.plan import Plan, PlanError
 from fxpar.frontend.capture import where
 from fxpar.frontend.rules import tokens
+from fxpar.frontend.rules.aten_ops import LAYOUT_OPS
 from fxpar.frontend.rules.dims import NoRule
 from fxpar.frontend.rules.islands import find_islands
 from fxpar.frontend.rules.opclass import Pointwise, Reduce, Window, classify, why_not
@@ -181,13 +182,14 @@ def _walk(gm: fx.GraphModule, grid: Grid, islands: dict[fx.Node, str],
         reason = _reason(gm, n, ins, tiled, grid)
         if reason is None:
             continue  # a global reduction: the region goes on past it
-        refused = ""  # why a token block with a rule for n cannot start at n
+        refused = ""  # why a token block cannot start at n, which leaves the image layout
         if reason and n not in forbidden and n.op == "call_function":
             try:  # a block in a token layout may start here
                 info = tokens.token_layout(gm, n, st)
             except NoRule as e:
                 info = None
-                refused = str(e) if tokens.rule_of(gm, n) is not None else ""
+                starts = getattr(n.target, "overloadpacket", None) in LAYOUT_OPS
+                refused = str(e) if starts and tokens.rule_of(gm, n) is not None else ""
             if info is not None and _token_node(n, info, grid, tiled, st):
                 if n in tiled and meta.get(n, SpatialLayout).island:
                     blocks[n] = frozenset({n})

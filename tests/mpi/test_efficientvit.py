@@ -1,11 +1,19 @@
 """timm's EfficientViT-B0 on tiles under a real mpiexec (tests/mpi/cases/efficientvit_cases.py,
-in the shared launch): its linear attention in an autocast-disabled block, under SP2 and SP4,
-vs one process in float64 with at least 95 % of its work on tiles."""
+in the shared launch): its linear attention in an autocast-disabled block, vs one process in
+float64 with at least 95 % of its work on tiles: timm's float32 attention under SP2, the
+attention in float64 under SP4 (each under the other plan too with ``FXPAR_LIBRARY_MATRIX=1``;
+tools/models_matrix.py trains the float64 form under every plan)."""
+
+import os
 
 import pytest
 from helpers.launch import Batch, cases_in, check
 
-CASES, NAMES = cases_in("efficientvit_cases.py")
+ALL, _ = cases_in("efficientvit_cases.py")
+MATRIX_ONLY = ("::case_efficientvit_b0_sp4", "::case_efficientvit_b0_float64_attention_sp2")
+CASES = ALL if os.environ.get("FXPAR_LIBRARY_MATRIX") == "1" else \
+    [c for c in ALL if not c.endswith(MATRIX_ONLY)]
+NAMES = [c.split("::")[1] for c in CASES]
 pytestmark = pytest.mark.mpi
 
 

@@ -21,13 +21,13 @@ from fxpar.runtime.spatial.attention_blocks import (
     columns,
     float_bias,
     fusable,
-    fused_blocks,
     merge,
     offsets,
 )
 
 
-def _blocks(q, k, v, g, bias, lengths: Sequence[int], scale: float, want_ds: bool):
+def _blocks(q, k, v, g, bias, lengths: Sequence[int], scale: float, want_ds: bool,
+            fused: bool = True):
     """(out, dq, dk, dv, dbias) from the blocks of ``lengths`` keys, as the ring adds them."""
     fb = float_bias(bias, q.dtype, q.dim())
     acc = acc_dtype(q.dtype)
@@ -37,12 +37,12 @@ def _blocks(q, k, v, g, bias, lengths: Sequence[int], scale: float, want_ds: boo
     for first, n in parts:
         if n:
             o, lse = merge(o, lse, *block(q, k.narrow(-2, first, n), v.narrow(-2, first, n),
-                                          columns(fb, first, n), scale))
+                                          columns(fb, first, n), scale, fused))
     rows = Rows(q, g, o.to(q.dtype), lse, scale)
     dq, dks, dvs, dss = 0, [], [], []
     for first, n in parts:
         gq, dk, dv, ds = block_grads(rows, k.narrow(-2, first, n), v.narrow(-2, first, n),
-                                     columns(fb, first, n), want_ds)
+                                     columns(fb, first, n), want_ds, fused)
         dq, dss = dq + gq, dss + [ds]
         dks.append(dk)
         dvs.append(dv)
@@ -100,9 +100,8 @@ def test_blocks_merge_to_sdpa_on_the_whole_sequence(name, dtype, fused):
     lead, lq, lengths, e, ev, bias_shape = CASES[name]
     q, k, v, g, bias = _inputs(lead, lq, lengths, e, ev, bias_shape, dtype)
     want_ds = bias is not None and bias.is_floating_point()
-    with fused_blocks(fused):
-        got = _blocks(q, k, v, g, bias, lengths, 0.6, want_ds)
-        nograd = _blocks(q, k, v, g, bias, lengths, 0.6, False)  # the fused backward's path
+    got = _blocks(q, k, v, g, bias, lengths, 0.6, want_ds, fused)
+    nograd = _blocks(q, k, v, g, bias, lengths, 0.6, False, fused)  # the fused backward's path
     want = _reference(q, k, v, g, bias, 0.6)
     atol = 1e-13 if dtype == torch.float64 else 3e-5
     for what, a, b in zip(("out", "dq", "dk", "dv", "dbias"), got, want, strict=True):
@@ -120,9 +119,6 @@ def test_fused_where_the_kernel_applies():
     assert not fusable(q, k, torch.randn(2, 3, 4, 6))  # one head size only
     assert not fusable(q[..., :0, :], k, v) and not fusable(q, k[..., :0, :], v)  # empty
     assert not fusable(q, k.double(), v)
-    with fused_blocks(False):
-        assert not fusable(q, k, v)
-    assert fusable(q, k, v)
 
 
 def test_a_row_masked_out_of_a_block_gets_no_weight():
@@ -131,8 +127,7 @@ def test_a_row_masked_out_of_a_block_gets_no_weight():
     mask = torch.zeros(3, 3, dtype=torch.float64)
     mask[1] = -math.inf
     for fused in (True, False):
-        with fused_blocks(fused):
-            o, lse = block(q, k, v, mask, 0.5)
+        o, lse = block(q, k, v, mask, 0.5, fused)
         assert (lse[..., 1] == -math.inf).all() and (o[..., 1, :] == 0).all(), (fused, lse)
         assert torch.isfinite(lse[..., [0, 2]]).all()
 
@@ -144,8 +139,7 @@ def test_strided_queries_and_gradients(fused):
     q, g = (torch.randn(2, 7, 3, 8, generator=gen, dtype=torch.float64).transpose(1, 2)
             for _ in range(2))
     k, v = (torch.randn(2, 3, 9, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    with fused_blocks(fused):
-        got = _blocks(q, k, v, g, None, [4, 5], 0.3, False)
+    got = _blocks(q, k, v, g, None, [4, 5], 0.3, False, fused)
     want = _reference(q, k, v, g, None, 0.3)
     for a, b in zip(got[:4], want[:4], strict=True):
         assert (a - b).abs().max().item() <= 1e-14

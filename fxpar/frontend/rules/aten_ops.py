@@ -346,9 +346,12 @@ def _pixel_shuffle(n: fx.Node) -> Op | None:
     return Window(kind, (r, r), (r, r), (0, 0))
 
 
-_LAYOUT_OPS = ("view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze",
-               "linear", "matmul", "bmm", "select", "expand", "unfold")
-refuse(*(getattr(aten, name) for name in _LAYOUT_OPS),
+LAYOUT_OPS = tuple(getattr(aten, name) for name in (
+    "view", "reshape", "flatten", "permute", "transpose", "squeeze", "unsqueeze", "linear",
+    "matmul", "bmm", "select", "expand", "unfold"))
+"""Ops that leave the (N, C, H, W) layout: a token block (fxpar.frontend.rules.tokens) may
+start at one."""
+refuse(*LAYOUT_OPS,
        refusal=lambda n: f"aten.{n.target.overloadpacket.__name__} leaves the (N, C, H, W) "
                          f"layout; the ops after it run on tiles only as a block whose every "
                          f"op has a token-layout rule (fxpar.frontend.rules.tokens)")

@@ -26,17 +26,15 @@ it crashes on an empty query or key set (those take the plain path); and a row w
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 _FUSED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-_enabled = [True]
 
 
 def _aten(name: str) -> object | None:
@@ -55,22 +53,10 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@contextlib.contextmanager
-def fused_blocks(enabled: bool) -> Iterator[None]:
-    """Use the fused CPU kernel where it applies (the default) or never (for comparison: the
-    benchmark and the tests that check both paths)."""
-    before = _enabled[0]
-    _enabled[0] = enabled
-    try:
-        yield
-    finally:
-        _enabled[0] = before
-
-
 def fusable(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the fused CPU kernel can compute this block: CPU, one floating dtype it has, one
     head size, and no empty dimension."""
-    return (_enabled[0] and _FLASH is not None and _FLASH_BACKWARD is not None
+    return (_FLASH is not None and _FLASH_BACKWARD is not None
             and q.device.type == "cpu" and q.dtype in _FUSED_DTYPES
             and q.dtype == k.dtype == v.dtype and q.shape[-1] == v.shape[-1]
             and q.numel() > 0 and k.numel() > 0)
@@ -110,16 +96,17 @@ def _as4(t: Tensor, lead: Sequence[int]) -> Tensor:
 
 
 # -- forward ----------------------------------------------------------------------------------
-def block(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float
-          ) -> tuple[Tensor, Tensor]:
+def block(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float,
+          fused: bool = True) -> tuple[Tensor, Tensor]:
     """One block's normalised output (..., Lq, Ev) and log-sum-exp (..., Lq), acc dtype; ``bias``
-    from :func:`float_bias` in q's dtype, this block's columns. A row with no key to attend to
-    gets output 0 and lse -inf, so that :func:`merge` gives it no weight."""
+    from :func:`float_bias` in q's dtype, this block's columns; ``fused``: in the fused kernel
+    where it applies (False: always the plain code). A row with no key to attend to gets
+    output 0 and lse -inf, so that :func:`merge` gives it no weight."""
     acc = acc_dtype(q.dtype)
     if not k.shape[-2]:  # no keys in this block
         return (q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=acc),
                 q.new_full(q.shape[:-1], -math.inf, dtype=acc))
-    if not fusable(q, k, v):
+    if not (fused and fusable(q, k, v)):
         qa = q.to(acc)
         s = torch.matmul(qa, k.to(acc).transpose(-1, -2)) * scale
         if bias is not None:
@@ -168,12 +155,13 @@ class Rows:
         return self.q.to(acc), do, d, self.lse.to(acc).unsqueeze(-1)
 
 
-def block_grads(rows: Rows, k: Tensor, v: Tensor, bias: Tensor | None, want_ds: bool
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def block_grads(rows: Rows, k: Tensor, v: Tensor, bias: Tensor | None, want_ds: bool,
+                fused: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One block's share of (dq, dk, dv) (acc dtype) and, if ``want_ds``, its ``ds`` (the
-    softmax input's gradient, the bias's gradient over this block's columns)."""
+    softmax input's gradient, the bias's gradient over this block's columns); ``fused`` as
+    for :func:`block`."""
     acc = acc_dtype(rows.q.dtype)
-    if want_ds or not fusable(rows.q, k, v):
+    if want_ds or not (fused and fusable(rows.q, k, v)):
         qa, do, d, lse = rows.acc
         s = torch.matmul(qa, k.to(acc).transpose(-1, -2)) * rows.scale
         if bias is not None:
