@@ -21,7 +21,8 @@ and a bias whose columns are one block off.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,8 @@ from helpers.equivalence import assert_same, collect_failures
 from helpers.transparency import sub_comm
 
 from fxpar.comm.mpi import Comm
+from fxpar.runtime.spatial import attention_blocks
 from fxpar.runtime.spatial.attention import GatherAttention, RingAttention, ring_bytes
-from fxpar.runtime.spatial.attention_blocks import fused_blocks
 from fxpar.runtime.spatial.group import bound
 from fxpar.runtime.spatial.tags import max_tag
 
@@ -275,6 +276,19 @@ def case_ring_bias_with_grad() -> None:
                           dtype=dtype, seed=65)
 
 
+@contextlib.contextmanager
+def _blocks_fused(fused: bool) -> Iterator[None]:
+    """The ring's blocks in the fused kernel where it applies (as always), or (False) in the
+    plain block code: the kernel is declared unfit for every block meanwhile."""
+    original = attention_blocks.fusable
+    if not fused:
+        attention_blocks.fusable = lambda *args: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        attention_blocks.fusable = original
+
+
 def case_ring_bias_without_grad_and_bool_mask() -> None:
     """A float bias that needs no gradient (the fused backward, given the mask) and a bool mask
     (True: attend; some rows masked out of whole blocks), P = 2 to 4, float64 and float32; and
@@ -284,7 +298,7 @@ def case_ring_bias_without_grad_and_bool_mask() -> None:
         if (comm := sub_comm(n)) is None:
             continue
         for fused in (True, False):
-            with fused_blocks(fused):
+            with _blocks_fused(fused):
                 _compare_ring(comm, (2, 2), lq, lk, e=4, ev=4, bias=(2,), bias_grad=False,
                               seed=70 + n)
                 _compare_ring(comm, (2, 2), lq, lk, e=4, ev=4, bias=(2, 2), bool_mask=True,
