@@ -12,6 +12,7 @@ limit is the sum of its files' limits, capped (:data:`LIMIT_CAP`)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,17 @@ def cases_in(file: str) -> tuple[list[str], list[str]]:
     spec.loader.exec_module(module)
     names = [n for n in vars(module) if n.startswith("case_")]
     return [f"{path}::{n}" for n in names], names
+
+
+def ci_cases(file: str, matrix_only: tuple[str, ...], variable: str
+             ) -> tuple[list[str], list[str]]:
+    """:func:`cases_in` without the cases named in ``matrix_only``, unless environment
+    variable ``variable`` is "1" (a long matrix: every case)."""
+    cases, names = cases_in(file)
+    if os.environ.get(variable) == "1":
+        return cases, names
+    kept = [(c, n) for c, n in zip(cases, names, strict=True) if n not in matrix_only]
+    return [c for c, _ in kept], [n for _, n in kept]
 
 
 def launch(cases: list[str], n: int, timeout: float) -> dict[str, CaseResult]:

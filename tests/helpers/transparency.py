@@ -17,6 +17,7 @@ import fxpar
 from fxpar.comm.mpi import Comm
 from fxpar.comm.world import world
 from fxpar.core.options import setting
+from fxpar.passes.spatial_region import Coverage
 from helpers.equivalence import (
     ATOL64_LATER,
     RTOL64,
@@ -147,3 +148,16 @@ def check(case: Case, atol: float | None = None, rtol: float = RTOL64
         assert_same("eval forward", out, ref(x), tol[0], max(rtol, RTOL64_EVAL))
     assert any(comm.allgather_object(out is not None)), "no rank returned the eval output"
     return rp
+
+
+def assert_covers(rp: fxpar.RankProgram | None, what: str, least: float = 0.95) -> None:
+    """The spatial region of ``rp``'s plan spreads at least ``least`` of the forward FLOPs on
+    image tensors (rank 0 prints the share); nothing for a rank that sat the case out or a
+    plan with no spatial stage."""
+    if rp is None or not rp.plan.spatial:
+        return
+    cov = rp.program.traced.meta[Coverage.KEY]
+    if rp.rank == 0:
+        print(f"coverage {what}: {cov.share:.4f} ({cov.ended or 'whole model'})", flush=True)
+    assert cov.share >= least, f"{what}: coverage {cov.share:.1%}: {cov.ended}"
+

@@ -4,16 +4,12 @@ float64 with at least 95 % of its work on tiles: timm's float32 attention under 
 attention in float64 under SP4 (each under the other plan too with ``FXPAR_LIBRARY_MATRIX=1``;
 tools/models_matrix.py trains the float64 form under every plan)."""
 
-import os
-
 import pytest
-from helpers.launch import Batch, cases_in, check
+from helpers.launch import Batch, check, ci_cases
 
-ALL, _ = cases_in("efficientvit_cases.py")
-MATRIX_ONLY = ("::case_efficientvit_b0_sp4", "::case_efficientvit_b0_float64_attention_sp2")
-CASES = ALL if os.environ.get("FXPAR_LIBRARY_MATRIX") == "1" else \
-    [c for c in ALL if not c.endswith(MATRIX_ONLY)]
-NAMES = [c.split("::")[1] for c in CASES]
+CASES, NAMES = ci_cases("efficientvit_cases.py",
+                        ("case_efficientvit_b0_sp4", "case_efficientvit_b0_float64_attention_sp2"),
+                        "FXPAR_LIBRARY_MATRIX")
 pytestmark = pytest.mark.mpi
 
 

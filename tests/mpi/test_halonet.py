@@ -5,16 +5,11 @@ halonet26t at 256 x 256 under SP2 (and SP4 with ``FXPAR_LIBRARY_MATRIX=1``: 41 s
 launch; tools/models_matrix.py trains it under every plan) with at least 95 % of its work on
 tiles; a halo one column short is caught."""
 
-import os
-
 import pytest
-from helpers.launch import Batch, cases_in, check
+from helpers.launch import Batch, check, ci_cases
 
-ALL, _ = cases_in("halonet_cases.py")
-MATRIX_ONLY = ("::case_halonet26t_256_p4",)
-CASES = ALL if os.environ.get("FXPAR_LIBRARY_MATRIX") == "1" else \
-    [c for c in ALL if not c.endswith(MATRIX_ONLY)]
-NAMES = [c.split("::")[1] for c in CASES]
+CASES, NAMES = ci_cases("halonet_cases.py", ("case_halonet26t_256_p4",),
+                        "FXPAR_LIBRARY_MATRIX")
 pytestmark = pytest.mark.mpi
 
 

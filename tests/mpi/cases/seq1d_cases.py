@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 from helpers.seq1d import Classifier, Convs, Pads, PerPosition, Pools, UNet1d, Upsampling
-from helpers.transparency import Case, check
+from helpers.transparency import Case, assert_covers, check
 
 import fxpar
-from fxpar.passes.spatial_region import Coverage
 
 P = fxpar.Plan
 torch.set_num_threads(1)
@@ -26,19 +25,9 @@ OPS = {"convs": (Convs, (2, 2, 61)), "pools": (Pools, (2, 2, 151)),
 PARTS = (2, 3, 4)
 
 
-def _covers(rp: fxpar.RankProgram | None, what: str, least: float = 0.95) -> None:
-    """The spatial region spreads at least ``least`` of the forward FLOPs."""
-    if rp is None or not rp.plan.spatial:
-        return
-    cov = rp.program.traced.meta[Coverage.KEY]
-    if rp.rank == 0:
-        print(f"coverage {what}: {cov.share:.4f} ({cov.ended or 'whole model'})", flush=True)
-    assert cov.share >= least, f"{what}: coverage {cov.share:.1%}: {cov.ended}"
-
-
 def _op_case(name: str, parts: int) -> None:
     build, shape = OPS[name]
-    _covers(check(Case(build, shape, P(spatial_parts=parts))), f"{name} sp{parts}", 0.9)
+    assert_covers(check(Case(build, shape, P(spatial_parts=parts))), f"{name} sp{parts}", 0.9)
 
 
 for _op in OPS:
@@ -54,12 +43,12 @@ tile holds hundreds of samples after the stride-2 layers."""
 
 def _classifier(parts: int) -> None:
     rp = check(Case(Classifier, (2, 2, LENGTH), P(spatial_parts=parts, slice="vertical")))
-    _covers(rp, f"classifier sp{parts}")
+    assert_covers(rp, f"classifier sp{parts}")
 
 
 def _unet(plan: fxpar.Plan, batch: int, what: str) -> None:
     rp = check(Case(UNet1d, (batch, 2, 1001), plan, classes=3, segmentation=True))
-    _covers(rp, f"unet1d {what}")
+    assert_covers(rp, f"unet1d {what}")
 
 
 for _p in PARTS:
@@ -83,7 +72,7 @@ def case_unet1d__sp2_gems_pp2() -> None:
 def case_classifier__sp3_halo_fusion() -> None:
     """Chains of convolutions and pools share one wider exchange along L."""
     rp = check(Case(Classifier, (2, 2, 999), P(spatial_parts=3, halo_fusion="all")))
-    _covers(rp, "classifier sp3 halo fusion")
+    assert_covers(rp, "classifier sp3 halo fusion")
 
 
 # -- the check catches a halo one sample short -------------------------------------------------

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from helpers.transparency import Case, check
+from helpers.transparency import Case, assert_covers, check
 from torch import nn
 
 import fxpar
 from fxpar import models
-from fxpar.passes.spatial_region import Coverage
 
 P = fxpar.Plan
 
@@ -133,7 +132,7 @@ GRIDS = {"slab2": P(spatial_parts=2, slice="slab"), "pencil4": P(spatial_parts=4
 
 def _op_case(name: str, grid: str) -> None:
     build, shape = OPS[name]
-    _covers(check(Case(build, shape, GRIDS[grid])), f"{name} {grid}", 0.9)
+    assert_covers(check(Case(build, shape, GRIDS[grid])), f"{name} {grid}", 0.9)
 
 
 for _op in OPS:
@@ -154,8 +153,8 @@ def _combo_case(plan: str) -> None:
     p, batch = COMBOS[plan]
     build = lambda: models.build("unet3d", in_channels=1, num_classes=3, base=2,  # noqa: E731
                                  depth=3)
-    _covers(check(Case(build, (batch, 1, 16, 12, 16), p, classes=3, segmentation=True)),
-            f"unet3d {plan}")
+    assert_covers(check(Case(build, (batch, 1, 16, 12, 16), p, classes=3, segmentation=True)),
+                  f"unet3d {plan}")
 
 
 for _combo in COMBOS:
@@ -204,17 +203,7 @@ def _model_case(model: str, plan: str) -> None:
     p, batch = VOLUME_PLANS[plan]
     rp = check(Case(build, (batch, 1, SIZE, SIZE, SIZE), p, classes=3 if seg else 4,
                     segmentation=seg))
-    _covers(rp, f"{model} {plan}")
-
-
-def _covers(rp: fxpar.RankProgram | None, what: str, least: float = 0.95) -> None:
-    """The spatial region spreads at least ``least`` of the forward FLOPs on image tensors."""
-    if rp is None or not rp.plan.spatial:
-        return
-    cov = rp.program.traced.meta[Coverage.KEY]
-    if rp.rank == 0:
-        print(f"coverage {what}: {cov.share:.4f} ({cov.ended or 'whole model'})", flush=True)
-    assert cov.share >= least, f"{what}: coverage {cov.share:.1%}: {cov.ended}"
+    assert_covers(rp, f"{model} {plan}")
 
 
 for _model in VOLUME_MODELS:
