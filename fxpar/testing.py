@@ -174,6 +174,9 @@ def load_case(case: str) -> Callable[[], object]:
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
+    # importable by name while it runs: a class it defines (a model's output dataclass) is
+    # pickled by reference when rank 0 sends the traced graph
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return getattr(module, name)
 

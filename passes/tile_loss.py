@@ -29,7 +29,7 @@ import torch
 from torch import fx
 
 from fxpar.core.fxgraph import graph_module
-from fxpar.core.geometry import Grid
+from fxpar.core.geometry import Grid, Rect
 from fxpar.frontend.rules.dims import Propagation, broadcast, shape
 from fxpar.runtime.spatial.lossops import TileReduceDims
 
@@ -39,13 +39,17 @@ aten = torch.ops.aten
 def tile_loss(gm: fx.GraphModule, prop: Propagation, grid: Grid, extent: tuple[int, ...],
               tile: int, key: str) -> fx.GraphModule:
     """A copy of loss graph ``gm`` that runs on tile ``tile`` of ``grid`` (``extent``: the
-    global size of each grid axis), its reductions in tile group ``key``."""
+    global size of each of the loss's grid axes: the image's, or, for an output with leaves at
+    several image sizes, each size's in turn, fxpar.runtime.spatial.lossops.loss_axes), its
+    reductions in tile group ``key``."""
     graph = fx.Graph()
     new_of: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, new_of)
     graph.output(out)
     tm = graph_module(gm, graph, f"LossTile{tile}")
-    rect = grid.tile_rect(extent, tile)
+    nd = grid.ndim
+    rect = Rect(*(iv for k in range(0, len(extent), nd)
+                  for iv in grid.tile_rect(extent[k:k + nd], tile).dims))
     local = tuple(b - a for a, b in rect.dims)
 
     def local_size(axes: tuple[int, ...]) -> int:

@@ -69,6 +69,9 @@ def parser() -> argparse.ArgumentParser:
                    help="regions per forward (data-parallel replicas split them)")
     p.add_argument("--output", choices=OUTPUTS, default="argmax",
                    help="class indices (default), probabilities, or raw logits")
+    p.add_argument("--output-key", metavar="KEY", default=None,
+                   help="for a model that returns several tensors (a dict, tuple, dataclass): "
+                   "the one to write, by key or path (out, ['out'], [0], .mask)")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where each rank computes: cuda binds rank r of a node to GPU r %% GPUs "
@@ -147,7 +150,8 @@ def setup(a: argparse.Namespace) -> tuple[torch.nn.Module, Plan, Any, dict[str, 
             raise DataError(f"the weights do not fit {a.model}: {str(e).splitlines()[0]} "
                             f"(check the model arguments, e.g. --num-classes)") from None
     settings = {"model": a.model, "model_args": sorted(a.model_arg),
-                "weights": _digest(state), "level": a.level, "path": str(a.image)}
+                "weights": _digest(state), "level": a.level, "path": str(a.image),
+                "output_key": a.output_key}
     return model, plan, image, settings
 
 
@@ -188,7 +192,8 @@ def _main(a: argparse.Namespace, comm: Comm | None) -> int:
             say(f"fxpar-predict: {a.model} on {a.image} (level {a.level}, {shape}) with "
                 f"{plan.world_size} rank(s)")
         result = predict(model, plan, image, a.out, region=a.region, batch=a.batch,
-                         output=a.output, dtype=dtype, comm=world, overwrite=a.overwrite,
+                         output=a.output, output_key=a.output_key, dtype=dtype, comm=world,
+                         overwrite=a.overwrite,
                          progress=not a.no_progress, settings=settings, geo=_geo(image),
                          log=lambda s: print(s, flush=True), device=where)
     except (*USER_ERRORS, failfast.Disagreement) as e:

@@ -38,8 +38,10 @@ from fxpar.cli.losses import LOSSES, LossArgError, make_loss
 from fxpar.cli.train import (  # train and finish: re-exported (scripts import them here)
     Job,
     add_eval_args,
+    add_recipe_args,
     check_eval_args,
     check_task,
+    optimizer,
     resume,
     run,
 )
@@ -110,11 +112,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-classes", type=int, default=10, help="[--num-classes]")
     p.add_argument("--num-layers", type=int, help="AmoebaNet-D: normal cells [--num-layers]")
     p.add_argument("--num-filters", type=int, help="AmoebaNet-D: filters [--num-filters]")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 10)")
+    p.add_argument("--steps", type=int, default=None, help="batches to train (default 10)")
     p.add_argument("--epochs", type=int, default=None,
                    help="with --data: passes over the data; steps = epochs x (images // batch), "
                    "each epoch drops its last partial batch")
-    p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (momentum 0.9)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -204,6 +205,7 @@ def parser() -> argparse.ArgumentParser:
                    "pointwise code, the same values to rounding; compiles at the first step")
     add_args(g, run=True)
     add_eval_args(p)
+    add_recipe_args(p)
     return p
 
 
@@ -322,13 +324,13 @@ def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:
     loss_fn = make_loss(a.loss, a.ignore_index, a.class_weights, a.num_classes, dtype)
     try:
         program = fx_compile(model, plan, example, loss_fn=loss_fn, comm=comm,
-                             optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
+                             optimizer=optimizer(a))
     except PlanError:
         if a.plan != "auto" or plan.balance is None:
             raise
         plan = dataclasses.replace(plan, balance=None)  # the compiler's own cuts
         program = fx_compile(model, plan, example, loss_fn=loss_fn, comm=comm,
-                             optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9))
+                             optimizer=optimizer(a))
     out = program.output_shape
     if isinstance(source, Synthetic) and out is not None and len(out) == len(shape):
         source.masks = tuple(out[2:])  # a segmentation model: one label per pixel
@@ -398,7 +400,7 @@ def _saved(a: argparse.Namespace, comm: Comm | None) -> Job:
     source = _source(a, shape, getattr(torch, a.dtype))
     t0 = time.perf_counter()
     chosen = a.loss != "ce" or a.ignore_index is not None or a.class_weights is not None
-    rp = load(a.model, comm, optimizer=lambda ps: torch.optim.SGD(ps, lr=a.lr, momentum=0.9),
+    rp = load(a.model, comm, optimizer=optimizer(a),
               loss_fn=make_loss(a.loss, a.ignore_index, a.class_weights, a.num_classes,
                                 getattr(torch, a.dtype)) if chosen else None)
     dtype = next((p.dtype for p in rp.parameters()), getattr(torch, a.dtype))

@@ -8,11 +8,18 @@ the last step; with ``--checkpoint DIR`` an eval that improves ``--best-metric``
 training state to ``DIR/best`` (a checkpoint folder of its own, keeping one version;
 ``fxpar-run --resume DIR/best`` and ``fxpar.program.checkpoint.export(DIR/best)`` read it), before
 the step's regular checkpoint.
+
+The recipe flags (:func:`add_recipe_args`): the optimizer (``--optimizer sgd|adamw``, ``--lr``,
+``--momentum``, ``--weight-decay``, ``--nesterov``; SGD with momentum 0.9 by default), the LR
+schedule (``--lr-schedule``, ``--warmup``: fxpar.train.schedules, over the run's optimizer
+steps), ``--ema DECAY`` (fxpar.train.ema; ``--ema-eval`` validates with it), ``--clip-grad
+NORM`` / ``--clip-value V`` and ``--accumulate K`` (K batches per optimizer step).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +33,10 @@ from fxpar.data.samples import SampleBatches
 from fxpar.program.program import RankProgram
 from fxpar.train.evaluate import BEST, SEGMENT_ONLY, Validation
 from fxpar.train.metrics import Recorder
+from fxpar.train.schedules import NAMES, by_name
 from fxpar.train.trainer import TrainConfig, Trainer
+
+OPTIMIZERS = ("sgd", "adamw")
 
 
 @dataclass
@@ -43,6 +53,8 @@ class Job:
     how: str = "compiled"
     val: Validation | None = None
     """The validation set (``--val-data``), batches of the compiled batch size."""
+    trainer: Trainer | None = None
+    """The one Trainer of the run (it owns the LR scheduler: resume and training share it)."""
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -60,8 +72,80 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    "metric in DIR/best (default loss; dice and iou for masks)")
 
 
+def add_recipe_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("optimizer and recipe")
+    g.add_argument("--lr", type=float, default=0.01,
+                   help="learning rate (the peak of --lr-schedule; default 0.01)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                   help="torch.optim.SGD (default) or AdamW, at --lr")
+    g.add_argument("--momentum", type=float, default=None,
+                   help="SGD's momentum (default 0.9)")
+    g.add_argument("--nesterov", action="store_true", help="SGD with Nesterov momentum")
+    g.add_argument("--weight-decay", type=float, default=None, metavar="WD",
+                   help="weight decay (default: 0 for sgd, 0.01 for adamw, torch's)")
+    g.add_argument("--lr-schedule", choices=NAMES, default="constant",
+                   help="LR over the run's optimizer steps (fxpar.train.schedules): constant "
+                   "(default), cosine (to 0), poly (nnU-Net's, power 0.9), onecycle (peak "
+                   "--lr)")
+    g.add_argument("--warmup", type=int, default=0, metavar="N",
+                   help="optimizer steps of linear warm-up to --lr (onecycle: its rising "
+                   "phase)")
+    g.add_argument("--ema", type=float, default=None, metavar="DECAY",
+                   help="keep a moving average of the weights (fxpar.train.ema; e.g. 0.999), "
+                   "saved in checkpoints")
+    g.add_argument("--ema-eval", action="store_true",
+                   help="with --ema and --val-data: validate with the averaged weights")
+    g.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
+                   help="clip the gradients to this global norm before each optimizer step")
+    g.add_argument("--clip-value", type=float, default=None, metavar="V",
+                   help="clamp every gradient to [-V, V] before each optimizer step")
+    g.add_argument("--accumulate", type=int, default=1, metavar="K",
+                   help="K batches per optimizer step (gradient accumulation; default 1)")
+
+
+def check_recipe_args(a: argparse.Namespace) -> None:
+    """The optimizer flags against --optimizer; the rest through TrainConfig's own checks
+    (the schedule's length against --steps when given). Raises ValueError."""
+    if a.optimizer != "sgd":
+        given = [f for f, v in (("--momentum", a.momentum), ("--nesterov", a.nesterov or None))
+                 if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: SGD's, not {a.optimizer}'s (AdamW has betas "
+                             f"(0.9, 0.999)): drop it or use --optimizer sgd")
+    if a.nesterov and a.momentum == 0:
+        raise ValueError("--nesterov needs momentum: drop --momentum 0")
+    for flag, v in (("--momentum", a.momentum), ("--weight-decay", a.weight_decay)):
+        if v is not None and v < 0:
+            raise ValueError(f"{flag} must be >= 0, got {v}")
+    if a.ema_eval and a.val_data is None:
+        raise ValueError("--ema-eval validates with the averaged weights: give --val-data")
+    if a.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {a.warmup}")
+    if a.steps is not None:
+        config(a)
+    else:  # --epochs (or the default) fixes the steps later: the rest now, the schedule then
+        config(argparse.Namespace(**{**vars(a), "steps": max(a.accumulate, 1),
+                                     "lr_schedule": "constant", "warmup": 0}))
+
+
+def optimizer(a: argparse.Namespace) -> Callable[[Any], torch.optim.Optimizer]:
+    """The optimizer factory of the flags (SGD with momentum 0.9 by default)."""
+    lr, wd = a.lr, a.weight_decay
+    if a.optimizer == "adamw":
+        return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01 if wd is None else wd)
+    momentum = 0.9 if a.momentum is None else a.momentum
+    return lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, nesterov=a.nesterov,
+                                      weight_decay=0.0 if wd is None else wd)
+
+
 def check_eval_args(a: argparse.Namespace) -> None:
-    """The validation flags' own consistency (before anything is built); raises ValueError."""
+    """The validation and recipe flags' own consistency (before anything is built); raises
+    ValueError."""
+    _check_val_args(a)
+    check_recipe_args(a)
+
+
+def _check_val_args(a: argparse.Namespace) -> None:
     if a.val_data is None:
         given = [flag for flag, v in (("--eval-every", a.eval_every),
                                       ("--val-batches", a.val_batches),
@@ -86,11 +170,18 @@ def check_task(a: argparse.Namespace, val: Validation) -> None:
 
 
 def config(a: argparse.Namespace) -> TrainConfig:
-    """fxpar-run's training flags as the library's TrainConfig."""
+    """fxpar-run's training flags as the library's TrainConfig (raises ValueError)."""
+    k = a.accumulate
+    if k >= 1 and a.steps % k:
+        raise ValueError(f"--steps {a.steps} with --accumulate {k}: make the steps (batches) "
+                         f"a multiple of {k}")
+    schedule = by_name(a.lr_schedule, max(a.steps // max(k, 1), 1), a.warmup)
     return TrainConfig(steps=a.steps, log_every=a.log_every, eval_every=a.eval_every,
                        best_metric=a.best_metric or "loss", checkpoint=a.checkpoint,
                        checkpoint_every=a.checkpoint_every, resume=a.resume,
-                       metrics=a.metrics, nonfinite=a.nonfinite, name=str(a.model))
+                       metrics=a.metrics, nonfinite=a.nonfinite, name=str(a.model),
+                       lr_schedule=schedule, ema=a.ema, ema_eval=a.ema_eval,
+                       clip_grad=a.clip_grad, clip_value=a.clip_value, accumulate=k)
 
 
 def _batches(job: Job) -> Callable[[int], Batch]:
@@ -104,14 +195,23 @@ def _batches(job: Job) -> Callable[[int], Batch]:
 
 
 def trainer(job: Job, a: argparse.Namespace) -> Trainer:
-    """The library Trainer for a set-up job (fxpar.train.trainer), validating on the rank's
-    input window of the training data."""
-    return Trainer(job.rp, config(a), _batches(job), job.val, job.window)
+    """The library Trainer of a set-up job (fxpar.train.trainer; made once), validating on the
+    rank's input window of the training data."""
+    if job.trainer is None:
+        job.trainer = Trainer(job.rp, config(a), _batches(job), job.val, job.window)
+    return job.trainer
 
 
 def resume(job: Job, a: argparse.Namespace) -> int | None:
-    """The step to start from (Trainer.resume); None after a resume error, on every rank."""
-    return trainer(job, a).resume()
+    """The step to start from (Trainer.resume); None after a resume error or a recipe that
+    does not fit the run (known once the steps are: --epochs), on every rank alike."""
+    try:
+        t = trainer(job, a)
+    except (ValueError, TypeError) as e:  # the same flags on every rank: every rank stops
+        if job.rp.rank == 0:
+            print(f"fxpar-run: error: {e}", file=sys.stderr, flush=True)
+        return None
+    return t.resume()
 
 
 def run(job: Job, a: argparse.Namespace, start: int) -> dict[str, Any] | None:

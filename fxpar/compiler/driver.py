@@ -17,6 +17,7 @@ from torch import fx, nn
 
 from fxpar.comm.protocol import Comm
 from fxpar.compiler.loss import LossFactory
+from fxpar.compiler.outputs import OutputLeaf, check_outputs, leaf_extent, output_leaves
 from fxpar.compiler.passdriver import HALO, run_passes
 from fxpar.compiler.predict import Prediction, predict_regions
 from fxpar.compiler.stages import build_stages
@@ -27,6 +28,7 @@ from fxpar.core.lowering import lower
 from fxpar.core.messages import check_tags, tag_uses
 from fxpar.core.meta import TensorInfo
 from fxpar.core.options import setting
+from fxpar.core.outputs import OUT_SPEC
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.roles import chunks_per_copy, stage_groups
 from fxpar.core.schedule import Links, Schedule, pipeline, place
@@ -41,12 +43,11 @@ from fxpar.passes.halo import tile_stage
 from fxpar.passes.precision import precision
 from fxpar.passes.spatial_region import (
     Coverage,
-    SpatialLayout,
     image_grid,
     limit_region,
     spatial_region,
 )
-from fxpar.passes.split_stages import model_output, split_stages
+from fxpar.passes.split_stages import split_stages
 from fxpar.perf.memory import choose_recompute
 from fxpar.perf.simulate import interleave
 from fxpar.program.program import OptimizerFactory, Program, SpatialInfo
@@ -89,12 +90,10 @@ def tile_stages(gm: fx.GraphModule, graph: StageGraph, plan: Plan) -> SpatialInf
         return run_passes(graph.modules[s], plan, passes, first=None,
                           where=f"stage {s}, tile {t}, copy {copy}")
 
-    packed = next(n for n in gm.graph.nodes if n.target is model_output)
-    out = packed.args[0]
-    lay = meta.find(out, SpatialLayout) if isinstance(out, fx.Node) else None
-    out_tiled = lay is not None and lay.tiled
-    shape = meta.get(out, TensorInfo).shape if out_tiled else (0, 0) + (0,) * grid.ndim
-    return SpatialInfo(build, grid, plan.spatial_stages, out_tiled, tuple(shape[2:]))
+    extents = tuple(leaf_extent(n) for n in output_leaves(gm))
+    first = next((e for e in extents if e is not None), (0,) * grid.ndim)
+    return SpatialInfo(build, grid, plan.spatial_stages, any(e is not None for e in extents),
+                       first, extents)
 
 
 def check_sync(graph: StageGraph, rank_map: RankMap) -> None:
@@ -274,6 +273,8 @@ def compile(  # noqa: A001 - the public name the design fixes
     rank_map = RankMap(plan)
     check_sync(graph, rank_map)
     spatial = tile_stages(gm, graph, plan) if plan.spatial else None
+    check_outputs(gm, plan, spatial is not None and spatial.out_tiled and
+                  plan.spatial_stages == plan.stages)
     halo_tags = {}
     for s in range(plan.spatial_stages if spatial is not None else 0):
         tile0 = spatial.tile(s, 0)  # type: ignore[union-attr]
@@ -309,15 +310,15 @@ def loss_factory(gm: fx.GraphModule, plan: Plan, loss_fn: LossFn, spatial: Spati
     an example ``target``, made and checked now (a LossWarning or PlanError at compile)."""
     if spatial is None or not spatial.out_tiled or plan.spatial_stages < plan.stages:
         return None
-    factory = LossFactory(loss_fn, spatial.grid, plan.stages - 1, plan.strict)
+    factory = LossFactory(loss_fn, spatial.grid, plan.stages - 1, plan.strict,
+                          spatial.out_extents, gm.meta.get(OUT_SPEC))
     if target is not None:
-        packed = next(n for n in gm.graph.nodes if n.target is model_output)
-        info = meta.get(packed.args[0], TensorInfo)
+        infos = [meta.get(n, TensorInfo) for n in output_leaves(gm)]
         chunks = plan.chunks()
         examples = target if isinstance(target, (tuple, list)) else (target,)
         specs = tuple(((int(t.shape[0]) // chunks, *map(int, t.shape[1:])), t.dtype)
                       for t in examples)
-        factory((tuple(info.shape), info.dtype), specs)
+        factory(tuple((tuple(i.shape), i.dtype) for i in infos), specs)
     return factory
 
 
@@ -327,9 +328,11 @@ def predict(model: nn.Module, plan: Plan, image: Any, out: str | Path | None = N
     array or a reader of fxpar.data.images, region by region, each region compiled for ``plan``
     and spread over its ranks; the output equals the model on the whole image (see
     fxpar.compiler.predict, where the keyword arguments are: region, batch, output, dtype,
-    comm, overwrite, progress, ...). ``RankProgram.predict`` does the same with a trained
-    program's model."""
+    comm, overwrite, progress, ...; ``output_key``: the leaf of a structured output to write,
+    fxpar.core.outputs.pick). ``RankProgram.predict`` does the same with a trained program's
+    model."""
     state = kwargs.pop("state", None)
+    key = kwargs.pop("output_key", None)
     if state is not None:  # RankProgram.predict: the trained weights of every stage
         with torch.no_grad():
             current = model.state_dict()
@@ -341,5 +344,7 @@ def predict(model: nn.Module, plan: Plan, image: Any, out: str | Path | None = N
         # the model the regions are compiled from, not only the one predict_regions checks
         # (a float32 model asked for float64 compiled float32 weights against float64 inputs)
         model = copy.deepcopy(model).to(dtype)
+    if key is not None:  # after the weights: the wrapper's names are not the model's
+        model = OutputLeaf(model, str(key))
     return predict_regions(model, plan, image, out, compile_crop=lambda example: compile(
         model, plan, example, loss_fn=loss_fn), **kwargs)

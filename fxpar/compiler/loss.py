@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import fx
@@ -27,7 +28,7 @@ from fxpar.frontend.rules.dims import NoRule, propagate
 from fxpar.passes.tile_loss import tile_loss
 from fxpar.program.tileloss import joined_loss
 from fxpar.runtime.loop import LossTiles
-from fxpar.runtime.spatial.lossops import image_layout
+from fxpar.runtime.spatial.lossops import image_layout, loss_axes, target_extent
 from fxpar.runtime.spatial.ops import group_key
 
 
@@ -36,21 +37,40 @@ class LossWarning(UserWarning):
 
 
 def tiled_loss(loss_fn: Callable[..., torch.Tensor], grid: Grid, stage: int, strict: bool,
-               output: TensorSpec, targets: Sequence[TensorSpec],
-               warn: bool = True, captured: fx.GraphModule | None = None) -> LossTiles:
+               output: TensorSpec | Sequence[TensorSpec], targets: Sequence[TensorSpec],
+               warn: bool = True, captured: fx.GraphModule | None = None,
+               extents: Sequence[tuple[int, ...] | None] | None = None,
+               spec: Any = None) -> LossTiles:
     """How each tile computes ``loss_fn(output, *targets)`` (specs: one micro-batch, global
     shapes) on the tiles of spatial stage ``stage``'s output.
 
-    captured: ``capture_loss(loss_fn, output, targets)`` made before, to analyse one loss on
-    several grids without capturing it again (it is not changed here)."""
-    extent = tuple(output[0][2:])
-    layouts = [image_layout(s, extent) for s, _ in (output, *targets)]
-    sliced = tuple(lay is not None for lay in layouts[1:])
+    output: the spec of one tensor, or of each leaf of the output in order (fxpar.core.outputs;
+    ``spec`` is then the structure the loss receives); extents: per leaf, its image size when
+    it is tiled, None when it is whole on every rank (a class head); default: every leaf is
+    tiled at its own size. Leaves of several image sizes (deep supervision) each get grid axes
+    of their own (fxpar.runtime.spatial.lossops.loss_axes), and a target is cut at the first
+    size it is per-pixel at.
+    captured: ``capture_loss(loss_fn, output, targets, spec=spec)`` made before, to analyse one
+    loss on several grids without capturing it again (it is not changed here)."""
+    single = len(output) == 2 and isinstance(output[1], torch.dtype)
+    leaves = (output,) if single else tuple(output)
+    sizes_of = tuple(extents) if extents is not None else tuple(
+        tuple(s[2:]) for s, _ in leaves)  # type: ignore[misc]
+    sizes = loss_axes(sizes_of)
+    nd = grid.ndim
+    layouts = [None if e is None else image_layout(s, e, nd * sizes.index(e))
+               for (s, _), e in zip(leaves, sizes_of, strict=True)]
+    cut = [target_extent(tuple(s), sizes) for s, _ in targets]
+    layouts += [None if e is None else image_layout(tuple(s), e, nd * sizes.index(e))
+                for (s, _), e in zip(targets, cut, strict=True)]
+    extent = tuple(v for e in sizes for v in e)
+    parts = tuple(grid.parts) * len(sizes)
     calls: tuple[tuple[str, str], ...] = ()
     try:
-        gm = captured if captured is not None else capture_loss(loss_fn, output, targets)
+        gm = captured if captured is not None else capture_loss(
+            loss_fn, leaves if spec is not None else leaves[0], targets, spec=spec)
         calls = gm.meta.get(CALLS_KEY, ())
-        prop = propagate(gm, extent, grid.parts, layouts)
+        prop = propagate(gm, extent, parts, layouts)
     except (LossCaptureError, NoRule) as e:
         reason = _why(e, getattr(loss_fn, "__name__", type(loss_fn).__name__), calls)
         if strict:
@@ -60,8 +80,9 @@ def tiled_loss(loss_fn: Callable[..., torch.Tensor], grid: Grid, stage: int, str
             warnings.warn(f"the loss runs on the whole output, joined on every rank of the "
                           f"tile group (exact, but not spread): {reason}", LossWarning,
                           stacklevel=3)
-        return joined_loss(loss_fn, grid, extent, stage, sliced, reason)
-    return LossTiles(functools.partial(_tiles, gm, prop, grid, extent, stage), sliced)
+        return joined_loss(loss_fn, grid, sizes_of, stage, tuple(cut), reason, spec)
+    return LossTiles(functools.partial(_tiles, gm, prop, grid, extent, stage),
+                     tuple(e is not None for e in cut), "", tuple(e for e in cut if e is not None))
 
 
 class LossFactory:
@@ -69,16 +90,19 @@ class LossFactory:
     (the compiler's check of an example target, then every rank program of the process)."""
 
     def __init__(self, loss_fn: Callable[..., torch.Tensor], grid: Grid, stage: int,
-                 strict: bool) -> None:
+                 strict: bool, extents: Sequence[tuple[int, ...] | None] | None = None,
+                 spec: Any = None) -> None:
         self.loss_fn, self.grid, self.stage, self.strict = loss_fn, grid, stage, strict
-        self._made: dict[tuple[TensorSpec, ...], LossTiles] = {}
+        self.extents, self.spec = extents, spec
+        self._made: dict[tuple[Any, ...], LossTiles] = {}
 
-    def __call__(self, output: TensorSpec, targets: Sequence[TensorSpec],
+    def __call__(self, output: TensorSpec | Sequence[TensorSpec], targets: Sequence[TensorSpec],
                  warn: bool = True) -> LossTiles:
-        key = (output, *targets)
+        key = (tuple(output), *targets)
         if key not in self._made:
             self._made[key] = tiled_loss(self.loss_fn, self.grid, self.stage, self.strict,
-                                         output, targets, warn)
+                                         output, targets, warn, extents=self.extents,
+                                         spec=self.spec)
         return self._made[key]
 
 

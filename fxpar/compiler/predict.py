@@ -39,6 +39,7 @@ from torch import nn
 
 from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
+from fxpar.compiler.outputs import check_single
 from fxpar.compiler.predict_pipeline import Drain, Prefetch
 from fxpar.compiler.receptive import (
     Reach,
@@ -216,6 +217,7 @@ def _predict(model: nn.Module, plan: Plan, src: Image, out: str | Path | None,
              log: Callable[[str], None] | None, device: torch.device) -> Prediction:
     channels, *size = src.shape
     whole = trace(model, (1, channels, *size))
+    check_single(whole)
     out_size = output_extent(whole)
     sizes = (region,) * len(size) if isinstance(region, int) else tuple(region)
     if all(r >= e for r, e in zip(sizes, size, strict=True)):

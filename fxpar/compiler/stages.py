@@ -17,6 +17,7 @@ from torch import fx
 from fxpar.core import meta
 from fxpar.core.fxgraph import graph_module, lazy_code
 from fxpar.core.meta import TensorInfo
+from fxpar.core.outputs import OUT_SPEC, register_spec
 from fxpar.core.stages import StageGraph, StageInput, Transfer
 from fxpar.core.torchcompat import split_module_tuples
 from fxpar.passes.split_stages import StageAssignment
@@ -120,5 +121,7 @@ def build_stages(gm: fx.GraphModule) -> StageGraph:
             ins.append(StageInput("transfer", t.id))
         inputs[k] = tuple(ins)
         modules[k] = _with_original_names(sub, str(call.target), qualnames, gm)
+    spec = gm.meta.get(OUT_SPEC)
     return StageGraph(tuple(modules), tuple(inputs), tuple(n_outputs), tuple(transfers),
-                      tuple(mutated_inputs(m) for m in modules))
+                      tuple(mutated_inputs(m) for m in modules),
+                      register_spec(spec) if spec is not None else None)

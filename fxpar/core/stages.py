@@ -4,6 +4,7 @@ tensors that travel between stages (built by fxpar.compiler.stages, executed by 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
@@ -59,6 +60,9 @@ class StageGraph:
     mutated_inputs: tuple[frozenset[int], ...] = ()
     """Per stage, positions of inputs that an in-place op writes to (the runtime hands those
     ops a copy: autograd forbids in-place writes to a leaf that requires grad)."""
+    out_spec: Any = None
+    """The model output's structure (a ``torch.utils._pytree.TreeSpec``; None: one tensor):
+    the last stage returns its leaves, flat (fxpar.core.outputs)."""
 
     def sends(self, stage: int) -> list[Transfer]:
         return [t for t in self.transfers if t.src == stage]

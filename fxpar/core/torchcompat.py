@@ -44,3 +44,15 @@ def split_module_tuples(gm: fx.GraphModule, stage_of: Callable[[fx.Node], int],
             user.replace_input_with(call, item)
     top.recompile()
     return top
+
+
+def raw_flop_formula(formula: Callable[..., int]) -> Callable[..., int]:
+    """torch's FLOP formula ``formula`` (a name in torch.utils.flop_counter, such as
+    ``conv_backward_flop``) as written: shapes in, ``out_shape`` an argument like the others.
+    ``register_flop_formula`` returns the formula wrapped by ``shape_wrapper`` (which takes
+    ``out_val`` and passes ``out_shape=`` by keyword), so calling the module's name with
+    ``out_shape`` in its place raises "got multiple values for argument 'out_shape'". torch
+    2.11 to 2.14 wrap with ``functools.wraps`` (the original is ``__wrapped__``; 2.13's and
+    2.14's also take ``**kwargs``); a release that returns the formula unwrapped gets it as it
+    is."""
+    return getattr(formula, "__wrapped__", formula)

@@ -10,7 +10,8 @@ graph is what the model does, not what a symbolic tracer guessed. Parameters and
 
 The captured graph is then normalised for fxpar (:func:`normalize`):
 
-- the export wrappers go: the guard call, the pytree (un)flattening of inputs and output;
+- the export wrappers go: the guard call, the pytree (un)flattening of inputs and output:
+  the graph returns the output's leaves, its structure kept as data (fxpar.core.outputs);
 - the bodies of ``with torch.autocast(...)`` blocks, which export captures as higher-order
   ops, are inlined as plain ATen ops, what the block set kept as data (fxpar.frontend.hops);
 - ops whose behaviour depends on train/eval mode, which export bakes in as a constant, become
@@ -45,13 +46,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxpar.core.fxgraph import graph_module, lazy_code, replace_node
 from fxpar.core.meta import pretty_path
 from fxpar.core.modelkeys import MODEL_KEYS, ModelKeys
+from fxpar.core.outputs import LEAF, OUT_SPEC, register_types
 from fxpar.frontend.hops import inline_blocks
 from fxpar.frontend.rules.chains import fuse_chains
 from fxpar.runtime.modules import BatchNormOp, DropoutOp
@@ -124,6 +125,8 @@ def capture(model: nn.Module, example: torch.Tensor) -> fx.GraphModule:
     hooks = [h for name, m in model.named_modules() if name
              for h in (m.register_forward_pre_hook(enter(name)),
                        m.register_forward_hook(leave))]
+    # a dataclass output becomes a pytree node before export flattens it
+    hooks.append(model.register_forward_hook(lambda _m, _a, out: register_types(out)))
     try:
         with mode, _quiet_torch_logs(), contextlib.redirect_stderr(io.StringIO()), lazy_code():
             fake = torch.empty(tuple(example.shape), dtype=example.dtype, device=device)
@@ -220,10 +223,14 @@ def normalize(exported: fx.GraphModule, class_name: str) -> fx.GraphModule:
     codegen = graph._codegen
     spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
     flat = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
-    if spec is not None:
-        out.args = (pytree.tree_unflatten(flat, spec),)
+    if spec is not None and spec != LEAF:  # the leaves, flat; the structure as data
+        out.args = (tuple(flat),)
+    elif spec is not None:
+        out.args = (flat[0],)
     graph._codegen = fx.graph.CodeGen()
     gm = graph_module(exported, graph, class_name)
+    if spec is not None and spec != LEAF:
+        gm.meta[OUT_SPEC] = spec
     _mode_ops(gm)
     fuse_chains(gm)
     gm.graph.lint()

@@ -51,7 +51,7 @@ class _Loss(nn.Module):
         super().__init__()
         self.fn = loss_fn
 
-    def forward(self, output: torch.Tensor, *targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, output: Any, *targets: torch.Tensor) -> torch.Tensor:
         return self.fn(output, *targets)
 
 
@@ -92,25 +92,31 @@ def _caller() -> str:
     return ""
 
 
-def capture_loss(loss_fn: Callable[..., torch.Tensor], output: TensorSpec,
-                 targets: Sequence[TensorSpec],
-                 device: torch.device | str = "cpu") -> fx.GraphModule:
+def capture_loss(loss_fn: Callable[..., torch.Tensor], output: TensorSpec | Sequence[TensorSpec],
+                 targets: Sequence[TensorSpec], device: torch.device | str = "cpu",
+                 spec: pytree.TreeSpec | None = None) -> fx.GraphModule:
     """``loss_fn(output, *targets)`` as an analysed core-ATen graph (a :class:`TensorInfo` on
-    every node: global shapes of one micro-batch). Raises :class:`LossCaptureError`."""
+    every node: global shapes of one micro-batch). With ``spec`` (the model output's
+    structure, fxpar.core.outputs), ``output`` lists the spec of each leaf and the loss is
+    called on that structure: the graph's inputs are the leaves, then the targets. Raises
+    :class:`LossCaptureError`."""
     module = loss_fn if isinstance(loss_fn, nn.Module) else None
     wrapper = _Loss(loss_fn)
     if module is not None:
         wrapper.train(module.training)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    specs = [output, *targets]
+    leaves = list(output) if spec is not None else [output]
+    specs = [*leaves, *targets]
     name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
     try:
         with mode, _quiet_torch_logs(), contextlib.redirect_stderr(io.StringIO()), \
                 warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fakes = tuple(torch.empty(s, dtype=d, device=device) for s, d in specs)
+            fakes = [torch.empty(s, dtype=d, device=device) for s, d in specs]
+            n = len(leaves)
+            first = pytree.tree_unflatten(fakes[:n], spec) if spec is not None else fakes[0]
             with _ConstantFactories() as recorder:
-                ep = torch.export.export(wrapper, fakes, strict=False)
+                ep = torch.export.export(wrapper, (first, *fakes[n:]), strict=False)
             ep = ep.run_decompositions()
     except Exception as e:  # noqa: BLE001 - re-raised with what it means
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -29,6 +29,7 @@ from torch import fx, nn
 
 from fxpar.comm.protocol import Comm
 from fxpar.core.fxgraph import graph_module
+from fxpar.core.outputs import OUT_SPEC
 from fxpar.frontend.capture import TraceError
 from fxpar.frontend.capture_store import CaptureStore, code_digest
 from fxpar.frontend.trace import trace
@@ -120,6 +121,14 @@ def pack(gm: fx.GraphModule, model: nn.Module) -> bytes:
             tensors.append(_Tensor(prefix + key, kind,
                                    key not in mod._non_persistent_buffers_set, own,
                                    None if own is not None else t.detach()))
+    spec = gm.meta.get(OUT_SPEC)
+    if spec is not None:
+        try:
+            _pickle(spec)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise TraceError(f"the model's output type cannot be sent to the other ranks "
+                             f"({e}): define its classes at the top level of a module they "
+                             f"import (or of the script every rank runs)") from e
     nodes = []
     for n in gm.graph.nodes:
         refs = fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name))

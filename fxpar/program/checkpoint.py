@@ -52,9 +52,9 @@ import dataclasses
 import io
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -89,6 +89,16 @@ VERSION = 1
 StageKey = tuple[int, int]  # (copy, stage)
 
 
+class Stateful(Protocol):
+    """Training state saved beside the model, per rank (an LR scheduler, a moving average of
+    the weights: fxpar.train): torch.distributed.checkpoint's protocol of the same name. Its
+    state_dict holds tensors and plain values only (``torch.load(weights_only=True)``)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class Gathered(NamedTuple):
     """What each rank tells rank 0 at the end of a save."""
 
@@ -117,13 +127,16 @@ def _write_shard(path: Path, shard: dict[str, Any]) -> dict[str, Any]:
 
 # -- save / load (collective; same plan) --------------------------------------------------------
 def save(rp: RankProgram, folder: str | os.PathLike[str], step: int,
-         extra: dict[str, Any] | None = None, keep: int | None = 2) -> Path:
+         extra: dict[str, Any] | None = None, keep: int | None = 2,
+         state: Mapping[str, Stateful] | None = None) -> Path:
     """Collective: every rank writes its shard of the training state to a new version folder
     in ``folder``, rank 0 the manifest; then ``folder/latest`` names it. Returns the version's
     folder. ``extra``: JSON values kept in the manifest (rank 0's), e.g. the epoch; read them
     back with :func:`read_manifest`. ``keep``: how many versions to keep (the newest), None for
-    all. A failure on any rank raises CheckpointError on every rank and leaves the previous
-    checkpoint the one ``latest`` names. ``FXPAR_FAULT`` is read at each call: a
+    all. ``state``: more of this rank's training state, by name (its ``state_dict()`` goes in
+    the shard; :func:`load` with the same names restores it), e.g. the Trainer's LR scheduler
+    and weight average. A failure on any rank raises CheckpointError on every rank and leaves
+    the previous checkpoint the one ``latest`` names. ``FXPAR_FAULT`` is read at each call: a
     ``corrupt-checkpoint`` fault of this rank at ``step`` damages its shard once written."""
     root = Path(folder)
     comm = rp.comm
@@ -159,6 +172,7 @@ def save(rp: RankProgram, folder: str | os.PathLike[str], step: int,
         "optimizer": rp.optimizer.state_dict() if rp.optimizer is not None else None,
         "rng": torch.get_rng_state(),
         "loss_scale": dataclasses.asdict(rp.loss_scale) if rp.loss_scale is not None else None,
+        "train": {k: v.state_dict() for k, v in (state or {}).items()},
     }
     path, written = version / shard_name(rp.rank), None
     try:
@@ -346,6 +360,19 @@ def _check_same_job(manifest: dict[str, Any], program: Program, folder: Path) ->
         raise _another_job(folder, problems)
 
 
+def _check_state(shard: dict[str, Any], state: Mapping[str, Stateful], path: Path) -> None:
+    """Raise unless ``shard`` holds every part of ``state`` (a run that resumes its LR schedule
+    or weight average from a checkpoint saved without them would restart them silently)."""
+    saved = shard.get("train") or {}
+    missing = [k for k in state if k not in saved]
+    if missing:
+        had = ", ".join(sorted(saved)) or "none"
+        raise CheckpointError(
+            f"{path} was saved without the {' and '.join(missing)} state this run resumes "
+            f"(it holds: {had}): resume with the recipe that saved it (lr_schedule, ema; "
+            f"fxpar-run --lr-schedule, --ema), or start afresh from its weights (export)")
+
+
 def _check_shard(shard: dict[str, Any], manifest: dict[str, Any], rp: RankProgram,
                  path: Path, folder: Path) -> None:
     """Raise unless ``shard`` fits this rank's modules and optimizer exactly, so that copying it
@@ -405,12 +432,14 @@ def _agree(rp: RankProgram, folder: str | os.PathLike[str], error: str | None) -
             for e, rs in by_error.items()))
 
 
-def load(rp: RankProgram, folder: str | os.PathLike[str]) -> int:
-    """Restore this rank's shard in place (parameters, buffers, optimizer, RNG); returns the
-    step it was saved at. Collective: every rank calls it. Each rank checks and reads only its
-    own shard (size and sha256 against the manifest), then one allgather of the outcomes: if any
-    rank cannot load (a damaged or missing shard, another plan or model), every rank raises
-    CheckpointError and no rank's model changes."""
+def load(rp: RankProgram, folder: str | os.PathLike[str],
+         state: Mapping[str, Stateful] | None = None) -> int:
+    """Restore this rank's shard in place (parameters, buffers, optimizer, RNG, and each part
+    of ``state`` saved under its name by :func:`save`); returns the step it was saved at.
+    Collective: every rank calls it. Each rank checks and reads only its own shard (size and
+    sha256 against the manifest), then one allgather of the outcomes: if any rank cannot load
+    (a damaged or missing shard, another plan or model, a part of ``state`` it lacks), every
+    rank raises CheckpointError and no rank's model changes."""
     version, shard, error = Path(folder), None, None
     try:
         version, manifest = _open(folder)
@@ -419,6 +448,7 @@ def load(rp: RankProgram, folder: str | os.PathLike[str]) -> int:
         shard = _read_shard(version, entry, "every rank must see the whole checkpoint folder "
                                             "(a shared file system)")
         _check_shard(shard, manifest, rp, version / entry["file"], version)
+        _check_state(shard, state or {}, version / entry["file"])
     except CheckpointError as e:
         error = str(e)
     _agree(rp, folder, error)
@@ -436,14 +466,17 @@ def load(rp: RankProgram, folder: str | os.PathLike[str]) -> int:
     if rp.loss_scale is not None and shard.get("loss_scale") is not None:
         rp.loss_scale = LossScale(**shard["loss_scale"])  # fp16: the scale goes on as it was
     rp.guard.steps = int(shard["step"])  # step numbers go on (FXPAR_FAULT, messages)
+    for k, part in (state or {}).items():  # after the optimizer: a scheduler reads its LR
+        part.load_state_dict(shard["train"][k])
     return int(shard["step"])
 
 
 # -- the single-device form ------------------------------------------------------------------
-def export(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+def export(folder: str | os.PathLike[str], ema: bool = False) -> dict[str, torch.Tensor]:
     """The single-device ``state_dict`` of a checkpoint, in the original model's key order
     (each key from copy 0, tile 0, replica 0 of its stage). Reads files only: no MPI. Each
-    shard it reads is checked against its recorded size and sha256 first."""
+    shard it reads is checked against its recorded size and sha256 first. ema: the moving
+    average of the weights instead (saved by a Trainer with ``TrainConfig(ema=...)``)."""
     folder, manifest = _open(folder)
     shards: dict[int, dict[str, Any]] = {}
     out: dict[str, torch.Tensor] = {}
@@ -454,7 +487,15 @@ def export(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         if rank not in shards:
             shards[rank] = _read_shard(folder, manifest["ranks"][rank],
                                        f"export needs the shards listed in {folder / MANIFEST}")
-        out[name] = shards[rank]["stages"][(copy_, stage)][name]
+        shard = shards[rank]
+        if not ema:
+            out[name] = shard["stages"][(copy_, stage)][name]
+        elif "ema" not in (shard.get("train") or {}):
+            raise CheckpointError(f"{folder / shard_name(rank)} holds no moving average of the "
+                                  f"weights: it was saved without TrainConfig(ema=...) "
+                                  f"(fxpar-run --ema); export(folder) gives the weights")
+        else:
+            out[name] = shard["train"]["ema"]["shadow"][name]
     return out
 
 

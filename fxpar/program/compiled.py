@@ -29,8 +29,21 @@ class SpatialInfo:
     grid: Grid
     spatial_stages: int
     out_tiled: bool
+    """Some leaf of the model output leaves the spatial stages tiled (a loss on tiles)."""
     out_extent: tuple[int, ...]
+    """The image size of the first tiled leaf (what :meth:`RankProgram.target_window` cuts)."""
+    out_extents: tuple[tuple[int, ...] | None, ...] = ()
+    """Per leaf of the model output (fxpar.core.outputs), its image size when it is tiled,
+    None when it is whole on every rank of the tile group (a class head on pooled features);
+    empty: one leaf, tiled at ``out_extent`` when ``out_tiled``."""
     _cache: dict[tuple[int, int], fx.GraphModule] = field(default_factory=dict)
+
+    @property
+    def leaf_extents(self) -> tuple[tuple[int, ...] | None, ...]:
+        """:attr:`out_extents`, with the one-leaf default spelled out."""
+        if self.out_extents:
+            return self.out_extents
+        return (self.out_extent if self.out_tiled else None,)
 
     def tile(self, stage: int, tile: int) -> fx.GraphModule:
         key = (stage, tile)

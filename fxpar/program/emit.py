@@ -45,6 +45,7 @@ from torch import fx, nn
 from fxpar.core import meta
 from fxpar.core.meta import TensorInfo, module_path
 from fxpar.core.modelkeys import put
+from fxpar.core.outputs import out_spec_json
 from fxpar.core.plan import PlanError
 from fxpar.core.version import __version__
 from fxpar.program.compiled import CompiledProgram
@@ -332,7 +333,9 @@ def program_json(program: CompiledProgram) -> dict[str, Any]:
                       for t in g.transfers],
         "spatial": None if info is None else {
             "grid": list(info.grid.parts), "spatial_stages": info.spatial_stages,
-            "out_tiled": info.out_tiled, "out_extent": list(info.out_extent)},
+            "out_tiled": info.out_tiled, "out_extent": list(info.out_extent),
+            "out_extents": [None if e is None else list(e) for e in info.leaf_extents]},
+        "out_spec": out_spec_json(g.out_spec),
         "ranks": [{"rank": r, "folder": rank_folder(r), "roles": _roles(program, r)}
                   for r in range(program.world_size)],
         "input_windows": _windows(program),

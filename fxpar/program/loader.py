@@ -20,6 +20,7 @@ from fxpar.comm import failfast
 from fxpar.comm.mpi import Comm
 from fxpar.core.geometry import Grid, Rect
 from fxpar.core.modelkeys import ModelKeys
+from fxpar.core.outputs import out_spec_of
 from fxpar.core.plan import Plan, PlanError, RankMap
 from fxpar.core.schedule import Action
 from fxpar.core.stages import StageGraph, StageInput, Transfer
@@ -126,7 +127,8 @@ def _graph(info: dict[str, Any]) -> StageGraph:
         transfers=tuple(Transfer(t["id"], t["src"], t["src_out"], t["dst"], t["dst_in"],
                                  tuple(t["shape"]), getattr(torch, t["dtype"]), t["tiled"])
                         for t in info["transfers"]),
-        mutated_inputs=tuple(frozenset(s["mutated_inputs"]) for s in stages))
+        mutated_inputs=tuple(frozenset(s["mutated_inputs"]) for s in stages),
+        out_spec=out_spec_of(info.get("out_spec")))
 
 
 def _windows(info: dict[str, Any]) -> tuple[Rect | None, ...] | None:
@@ -142,5 +144,6 @@ def _spatial(info: dict[str, Any]) -> SpatialInfo | None:
     sp = info["spatial"]
     if sp is None:
         return None
+    extents = tuple(None if e is None else tuple(e) for e in sp.get("out_extents", ()))
     return SpatialInfo(_unavailable, Grid(*sp["grid"]), sp["spatial_stages"], sp["out_tiled"],
-                       tuple(sp["out_extent"]))  # type: ignore[arg-type]
+                       tuple(sp["out_extent"]), extents)  # type: ignore[arg-type]

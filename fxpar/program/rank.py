@@ -9,7 +9,7 @@ hook), and runs the rank's action list (fxpar.runtime.loop). It reads the progra
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -19,10 +19,12 @@ from torch import fx, nn
 from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.core.geometry import Rect
+from fxpar.core.outputs import from_leaves, leaves_of
 from fxpar.core.plan import PRECISION_DTYPES, Plan, PlanError
 from fxpar.core.roles import chunks_per_copy, first_chunk
 from fxpar.core.schedule import Action, format_grid, split_keys
 from fxpar.core.wire import Order
+from fxpar.program import gradstep
 from fxpar.program.checkpoint_folder import CheckpointError, some_keys
 from fxpar.program.compiled import RunnableProgram, input_window_of
 from fxpar.program.groups import communicators, rank_order, stage_syncs, tile_groups
@@ -78,6 +80,23 @@ class RankProgram:
         self.loss_scale = LossScale() if program.plan.precision == "fp16" else None
         """float16's dynamic loss scale (fxpar.runtime.scale), None for other precisions;
         its fields (``scale``, ``growth_interval``, ...) may be set before training."""
+        self.before_optimizer_step: list[Callable[[RankProgram], None]] = []
+        """Hooks ``fn(rp)``, run in order on every rank at the STEP action, just before the
+        optimizer step (e.g. ``rp.before_optimizer_step.append(lambda rp:
+        rp.clip_grad_norm_(12.0))``); only when the step goes ahead (not for a step skipped for
+        NaN/inf or a float16 overflow, not in the first k-1 calls of ``accumulate=k``). There,
+        each parameter's ``.grad`` on this rank (this rank's parameters only: its stages, each
+        GEMS copy it holds) is the whole model's gradient of that parameter, as one process has
+        it: summed over the tiles, GEMS copies and replicas that hold it (identical on every
+        rank that does), of the mean loss over the global batch (over the k batches of an
+        accumulation cycle: of the mean of their means), unscaled under float16 and finite; None
+        for a parameter the forward never reads. BatchNorm statistics are merged already. A hook
+        that communicates must run alike on every rank (:meth:`clip_grad_norm_` does)."""
+        self.grad_norm: float | None = None
+        """The whole model's gradient norm of the last optimizer step, when a hook computed it
+        (:meth:`clip_grad_norm_`); None for a step without (or skipped, or not yet taken)."""
+        self.accumulation = gradstep.Accumulation()
+        """Where ``train_step(..., accumulate=k)`` stands in its cycle (fxpar.program.gradstep)."""
         rank_map, dp = program.rank_map, program.rank_map.dp_index(rank)
         plan = program.plan
         self._orders: dict[frozenset[str] | None, Order] = {}
@@ -120,7 +139,8 @@ class RankProgram:
         speaks = self.program.rank_map.dp_index(self.rank) == 0 and any(
             r.copy == 0 and r.tile == 0 and r.stage == last for r in roles)
         return TileLoss(self.program.loss_tiles, self.program.loss_fn, info.grid,
-                        info.out_extent, last, lambda: self.device, speaks)
+                        info.leaf_extents, last, lambda: self.device, speaks,
+                        self.program.graph.out_spec)
 
     def _buffers(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}
@@ -135,19 +155,53 @@ class RankProgram:
     def _before_step(self, st: StepState) -> bool:
         """With a loss scale: unscale this rank's gradients, agree with every rank on whether
         all are finite (one allreduce), update the scale; False skips the step everywhere.
-        Otherwise the guard's NaN/inf check (one allreduce, unless FXPAR_NONFINITE=off)."""
+        Otherwise the guard's NaN/inf check (one allreduce, unless FXPAR_NONFINITE=off).
+        Then, when the step goes ahead, the :attr:`before_optimizer_step` hooks. Accumulating,
+        False in a cycle's first k-1 calls (fxpar.program.gradstep)."""
+        cycle = self.accumulation
         if self.loss_scale is None:
-            return self.guard.finite(st.losses)
-        go = self.loss_scale.unscale(self._grads(), self.comm, self.device, st.losses)
-        self.guard.total = self.loss_scale.total  # read with the flag: one host read
-        return go
+            go = self.guard.finite(st.losses)
+        elif cycle.last:  # GradScaler's rule: unscaled and checked once, at the step
+            go = self.loss_scale.unscale(self._grads(), self.comm, self.device, st.losses)
+            self.guard.total = self.loss_scale.total  # read with the flag: one host read
+        else:
+            go = True
+        if not go:
+            cycle.drop()
+            self.grad_norm = None
+            return False
+        if not cycle.last:
+            return False
+        self.grad_norm = None
+        for hook in self.before_optimizer_step:
+            hook(self)
+        return True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Collective (every rank alike, e.g. in a :attr:`before_optimizer_step` hook): clip
+        the whole model's gradients as ``torch.nn.utils.clip_grad_norm_(model.parameters(),
+        max_norm, norm_type)`` on one process (norm_type may be inf), each parameter counted
+        once however many ranks hold it (one allreduce: fxpar.program.gradstep). Returns the
+        total norm before clipping, also kept in :attr:`grad_norm`."""
+        grads = [p.grad for p in gradstep.counted(self.program.rank_map, self.rank, self.stages)
+                 if p.grad is not None]
+        total = gradstep.total_norm(grads, norm_type, self.comm, self.device)
+        gradstep.scale_by_norm(self._grads(), max_norm, total)
+        self.grad_norm = float(total)
+        return self.grad_norm
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_`` on this rank's gradients (each GEMS copy):
+        element-wise, so no communication; call it alike on every rank (a hook)."""
+        gradstep.clip_by_value(self._grads(), clip_value)
 
     def _merge_stats(self) -> bool:
         return self.plan.copies > 1 or self.plan.data_parallel > 1
 
     def _sync(self) -> None:
         for sync in self.syncs:
-            sync.grads()
+            if self.accumulation.last:  # gradients summed once per cycle (gradstep)
+                sync.grads()
             if self._merge_stats():
                 sync.stats()
 
@@ -253,10 +307,15 @@ class RankProgram:
             return v.to(self.device)
         return v
 
-    def train_step(self, x: torch.Tensor | None, y: Any) -> float:
+    def train_step(self, x: torch.Tensor | None, y: Any, *, accumulate: int = 1) -> float:
         """One optimizer step on the global batch ``(x, y)``; returns the global mean loss.
 
         Gradients are zeroed first and left in place afterwards (for inspection).
+        accumulate: k > 1 makes k consecutive calls (the same k in each) one optimizer step,
+        taken in the k-th, on the k batches together; each call returns its own batch's mean
+        loss. Gradients are zeroed in a cycle's first call, summed over the ranks in its last
+        (until then ``.grad`` holds this rank's own share); NaN/inf and float16 overflows end
+        a cycle: fxpar.program.gradstep.
         x: the whole batch's shape, but only :meth:`input_window` of it is read (a loader may
         fill just that part of a ``torch.empty``); None on a rank whose window is None.
         y: None on a rank that does not hold the last stage (only the loss reads targets).
@@ -264,9 +323,10 @@ class RankProgram:
         A NaN or inf anywhere raises ``fxpar.runtime.guard.NonFiniteError`` on every rank
         after undoing the step (``FXPAR_NONFINITE``: fxpar.runtime.guard). Any other exception
         marks the program failed: leaving the process then ends the whole job."""
+        self.accumulation.check(accumulate)
         step, self.runtime.fault = self.guard.begin()
         try:
-            loss = self._train_step(x, y, step)
+            loss = self._train_step(x, y, step, accumulate)
         except BaseException as e:
             self.guard.fail(step, e)
             raise
@@ -275,28 +335,31 @@ class RankProgram:
         self.guard.end(step)
         return loss
 
-    def _train_step(self, x: torch.Tensor | None, y: Any, step: int) -> float:
+    def _train_step(self, x: torch.Tensor | None, y: Any, step: int, k: int = 1) -> float:
         self._check_omitted(x, y)
         n = self._check_batch(x)
         x, y = self._on_device(x), self._on_device(y)
-        for p in self.parameters():
-            p.grad = None
+        if self.accumulation.begin(k):
+            for p in self.parameters():
+                p.grad = None
         xs = [None] * n if x is None else list(torch.tensor_split(x, n))
         factor = self.loss_scale.scale if self.loss_scale is not None else 1.0
         state = StepState(xs, list(_split_target(y, n)),  # type: ignore[arg-type]
-                          scale=factor / n, step=step)
+                          scale=factor / (n * k), step=step)
         for sync in self.syncs:
-            sync.reset()
+            if self.accumulation.last:
+                sync.reset()
             if self._merge_stats():
                 sync.begin()
         with self.groups.bound():  # the tile ops' communicators, for this step
             self.runtime.run(state)
+        self.accumulation.end()
         if self.guard.total is not None:  # read with the NaN/inf flags: one host read
-            return self.guard.total / factor
+            return self.guard.total * k / factor
         total = sum(state.losses, torch.zeros((), dtype=torch.float64))
         if self.comm is not None and self.comm.size > 1:
             self.comm.allreduce(total)  # only the last stage's ranks hold losses
-        return float(total) / factor
+        return float(total) * k / factor
 
     def _check_omitted(self, x: torch.Tensor | None, y: Any) -> None:
         stages = {s for _, s in self.stages}
@@ -375,17 +438,19 @@ class RankProgram:
         state = StepState(xs, [None] * n, scale=1.0, train=False)  # type: ignore[arg-type]
         with self.groups.bound(), torch.no_grad():
             self.runtime.run(state, FORWARD)
-        results = dict(state.results)
+        spec = self.program.graph.out_spec
+        results = {k: leaves_of(spec, v) for k, v in state.results.items()}
         info, tiling = self.program.spatial, self.runtime.tiling
         last = self.plan.stages - 1
         if info is not None and tiling is not None and info.out_tiled and tiling.spatial(last):
-            rects = tuple(info.grid.tile_rect(info.out_extent, u) for u in range(info.grid.size))
             per_copy = chunks_per_copy(self.plan)
-            with self.groups.bound(), torch.no_grad():  # tiles of the output: join them,
-                for chunk in sorted(results):  # per model copy
+            with self.groups.bound(), torch.no_grad():  # tiled leaves of the output: join
+                for chunk in sorted(results):  # them, per model copy
                     c = (chunk // per_copy) % self.plan.copies
-                    join = Join(rects, tiling.tiles[c], group_key(last, c))
-                    results[chunk] = join(results[chunk])
+                    results[chunk] = tuple(
+                        x if e is None else Join(tuple(info.grid.tile_rect(e, u) for u in range(
+                            info.grid.size)), tiling.tiles[c], group_key(last, c))(x)
+                        for x, e in zip(results[chunk], info.leaf_extents, strict=True))
         if self.comm is not None and (self.plan.copies > 1 or self.plan.data_parallel > 1):
             merged: dict[int, Any] = {}  # each copy / replica has its own chunks' outputs
             for part in self.comm.allgather_object(results):
@@ -394,7 +459,7 @@ class RankProgram:
         if not results:
             return None
         outs = [results[i] for i in sorted(results)]
-        return torch.cat(outs) if isinstance(outs[0], torch.Tensor) else outs
+        return from_leaves(spec, tuple(_concat(parts) for parts in zip(*outs, strict=True)))
 
     def predict(self, image: Any, out: str | os.PathLike[str] | None = None,
                 **kwargs: Any) -> Any:
@@ -482,6 +547,14 @@ class RankProgram:
                 except RuntimeError as e:
                     raise CheckpointError(f"load_state_dict into (copy, stage) {key}: {e}") from e
         return [k for k in needed if k in state_dict]
+
+
+def _concat(parts: tuple[Any, ...]) -> Any:
+    """One leaf of the output over the chunks: tensors concatenated along the batch, 0-dim
+    ones stacked (one per chunk: fxpar.compiler.outputs warns at compile), a constant once."""
+    if not isinstance(parts[0], torch.Tensor):
+        return parts[0]
+    return torch.cat(parts) if parts[0].dim() else torch.stack(parts)
 
 
 def _split_target(y: Any, n: int) -> list[Any]:

@@ -45,6 +45,7 @@ from fxpar.comm.mpi import Comm, Request
 from fxpar.comm.ordered import Sequencer
 from fxpar.core.geometry import Grid, Rect
 from fxpar.core.messages import Message, messages, transfer_kind
+from fxpar.core.outputs import leaves_of, rebuild
 from fxpar.core.schedule import Action, Schedule, format_grid, split_keys
 from fxpar.core.stages import StageGraph, Transfer
 from fxpar.core.wire import Order
@@ -74,13 +75,18 @@ class Posted:
 @dataclass(frozen=True)
 class LossTiles:
     """How the ranks of a tiled output compute its loss (fxpar.compiler.loss): ``build(tile,
-    copy)`` gives the module ``(output tile, *targets) -> loss``, whole on every rank of the
-    tile group; ``sliced[i]``: target i is cut to the tile (else passed whole); ``joined``:
-    why the output is joined for the loss instead ('' when its reductions run on tiles)."""
+    copy)`` gives the module ``(*output leaves on the tile, *targets) -> loss``, whole on every
+    rank of the tile group; ``sliced[i]``: target i is cut to the tile (else passed whole);
+    ``joined``: why the output is joined for the loss instead ('' when its reductions run on
+    tiles)."""
 
     build: Callable[[int, int], torch.nn.Module]
     sliced: tuple[bool, ...]
     joined: str = ""
+    extents: tuple[tuple[int, ...], ...] = ()
+    """Per sliced target, the image size it is cut at (the tiles of the output leaf of that
+    size: a deep-supervision target at half size is cut as the half-size head is); empty: the
+    output's."""
 
 
 def targets_of(y: Any) -> tuple[Any, ...]:
@@ -179,9 +185,10 @@ class Runtime:
     """The compute dtype of a mixed-precision plan: the loss runs under ``torch.autocast``
     in it, as in a user's autocast block (the stages' casts are graph nodes already:
     fxpar.passes.precision)."""
-    tile_loss: Callable[[int, int, torch.Tensor, Any], torch.Tensor] | None = None
-    """(copy, tile, output tile, the chunk's whole targets) -> the loss, whole on every rank of
-    the tile group, for a tiled output (the rank program's :class:`LossTiles`)."""
+    tile_loss: Callable[[int, int, tuple[torch.Tensor, ...], Any], torch.Tensor] | None = None
+    """(copy, tile, the output's leaves on this tile, the chunk's whole targets) -> the loss,
+    whole on every rank of the tile group, for a tiled output (the rank program's
+    :class:`LossTiles`)."""
     wire: Callable[[frozenset[str] | None], Order] | None = None
     """This rank's point-to-point messages in the order each peer issues them too, for the
     schedule (or its actions of the given kinds): fxpar.core.wire. None: issued as posted."""
@@ -435,8 +442,9 @@ class Runtime:
         if tl is not None and tl.spatial(a.stage) and tl.out_tiled:
             if self.tile_loss is None:
                 raise RuntimeError("a tiled output needs the rank program's tile_loss")
-            return self.tile_loss(a.copy, self._my_tile(a), result, target)
-        return self.loss_fn(result, *targets_of(target))
+            return self.tile_loss(a.copy, self._my_tile(a), leaves_of(self.graph.out_spec,
+                                                                     result), target)
+        return self.loss_fn(rebuild(self.graph.out_spec, result), *targets_of(target))
 
     def _loss_share(self, a: Action) -> float:
         """The part of the loss this rank carries: 1/P in a spatial stage, where the loss is

@@ -237,7 +237,12 @@ class StageSync:
         """Start bucket ``k``'s sum. The bucket is a copy: each parameter's gradient becomes
         its view of the bucket now (the sum lands there, :meth:`grads`), so the step never
         holds a gradient twice; nothing reads it before the ALLREDUCE action waits."""
-        flat = torch.cat([_total(self.slots[j]).reshape(-1) for j in self.buckets[k]])
+        slots = [self.slots[j] for j in self.buckets[k]]
+        # after the gradients, one count per slot of the ranks that have it: a parameter no
+        # rank's backward reached (a head whose output the loss never reads) keeps None
+        has = torch.tensor([float(any(p.grad is not None for p in slot)) for slot in slots],
+                           dtype=slots[0][0].dtype, device=slots[0][0].device)
+        flat = torch.cat([*(_total(slot).reshape(-1) for slot in slots), has])
         assert self.comm is not None
         self.pending.append((flat, self.comm.iallreduce(flat)))
         self.next_bucket += 1
@@ -258,18 +263,24 @@ class StageSync:
         if self.comm is None or self.comm.size == 1:
             if len(self.members) > 1:  # one rank holding the stage in both GEMS copies
                 for slot in self.slots:
+                    if all(p.grad is None for p in slot):
+                        continue  # no copy's backward reached it: None, as on one process
                     total = sum(_grad(p) for p in slot)
                     for p in slot:
                         p.grad = total.clone()  # type: ignore[union-attr]
             return
         while self.next_bucket < len(self.buckets):
             self._launch(self.next_bucket)
-        for k, (_, req) in enumerate(self.pending):
+        for k, (flat, req) in enumerate(self.pending):
             req.wait()  # the sum lands in the bucket, whose views the gradients are (_launch)
-            for j in self.buckets[k]:
-                total = self.slots[j][0].grad
+            bucket = self.buckets[k]
+            reached = flat[len(flat) - len(bucket):].tolist()
+            for j, count in zip(bucket, reached, strict=True):
+                total = self.slots[j][0].grad if count else None
+                self.slots[j][0].grad = total
                 for p in self.slots[j][1:]:  # other GEMS copies get their own (in-place
-                    p.grad = total.clone()   # changes to one must not reach the other)
+                    # changes to one must not reach the other)
+                    p.grad = None if total is None else total.clone()
         self.pending = []
 
     def _bns(self, m: Member) -> list[tuple[str, RunningStats]]:

@@ -102,14 +102,14 @@ class Recorder:
     last: list[dict[str, Any]] = field(default_factory=list)
     """The last step's timeline, as the JSON entries."""
 
-    def step(self, x: torch.Tensor | None, y: Any) -> tuple[float, float]:
-        """One ``train_step``; returns (loss, seconds)."""
+    def step(self, x: torch.Tensor | None, y: Any, accumulate: int = 1) -> tuple[float, float]:
+        """One ``train_step`` (of ``accumulate`` per optimizer step); returns (loss, seconds)."""
         runtime = self.rp.runtime
         runtime.timeline = []
         runtime.clock = self.clock if self.clock is not None else device_clock(self.rp.device)
         start = time.perf_counter()
         try:
-            loss = self.rp.train_step(x, y)
+            loss = self.rp.train_step(x, y, accumulate=accumulate)
             took = time.perf_counter() - start
             timeline = runtime.timeline
         finally:

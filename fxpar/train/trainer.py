@@ -14,6 +14,12 @@ the closing metrics. ``fxpar-run`` parses its flags into a :class:`TrainConfig` 
 ``eval_every`` and after the last step; with ``checkpoint`` set, an eval that improves
 ``best_metric`` saves the training state to ``checkpoint/best`` before the step's regular
 checkpoint. Every method that trains is collective: call it on every rank.
+
+The recipe around each optimizer step (fxpar.train.recipe) is configured there too: an LR
+schedule (``lr_schedule=fxpar.train.schedules.warmup_cosine(total, warmup)``), a moving
+average of the weights (``ema=0.999``, fxpar.train.ema; ``ema_eval`` validates with it),
+clipping (``clip_grad``, ``clip_value``) and accumulation (``accumulate=k``). Checkpoints keep
+the scheduler's and the average's state; a resumed run goes on exactly as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,49 +36,10 @@ from fxpar.core.geometry import Rect
 from fxpar.data.data import Batch
 from fxpar.program.checkpoint import CheckpointError, load, save
 from fxpar.program.program import RankProgram
-from fxpar.runtime.guard import nonfinite_policy
-from fxpar.train.evaluate import BEST, Validation, better, evaluate, line
+from fxpar.train.config import TrainConfig
+from fxpar.train.evaluate import Validation, better, evaluate, line
 from fxpar.train.metrics import Recorder, gather, table, write_metrics
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """How to train: one field per ``fxpar-run`` training flag."""
-
-    steps: int
-    """Train until this step (a resumed run starts at its checkpoint's step)."""
-    log_every: int | None = None
-    """Rank 0 prints a progress line every this many steps (None: about 50 lines a run),
-    and at the first and last step."""
-    eval_every: int | None = None
-    """Validate every this many steps (None: after the last step only); needs ``val``."""
-    best_metric: str = "loss"
-    """The validation metric ``checkpoint/best`` keeps the best model by (fxpar.train.evaluate)."""
-    checkpoint: Path | None = None
-    """Save the training state here after the last step (and every ``checkpoint_every``)."""
-    checkpoint_every: int | None = None
-    resume: Path | None = None
-    """Start from this checkpoint folder's state and step."""
-    metrics: Path | None = None
-    """Rank 0 writes the run's metrics (throughput, per-rank times, evals) here as JSON."""
-    nonfinite: str | None = None
-    """NaN/inf policy (stop, skip, off); None: FXPAR_NONFINITE (fxpar.core.options)."""
-    name: str = "model"
-    """The model's name in the metrics."""
-
-    def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"steps must be >= 0, got {self.steps}")
-        for what, v in (("log_every", self.log_every), ("eval_every", self.eval_every),
-                        ("checkpoint_every", self.checkpoint_every)):
-            if v is not None and v < 1:
-                raise ValueError(f"{what} must be >= 1, got {v}")
-        if self.best_metric not in BEST:
-            raise ValueError(f"best_metric {self.best_metric!r}: use one of {', '.join(BEST)}")
-        if self.checkpoint_every is not None and self.checkpoint is None:
-            raise ValueError("checkpoint_every needs checkpoint (a folder)")
-        if self.nonfinite is not None:
-            nonfinite_policy(self.nonfinite)
+from fxpar.train.recipe import Recipe
 
 
 @dataclass
@@ -83,10 +51,14 @@ class Evals:
     metric: str = "loss"
     history: list[dict[str, Any]] = field(default_factory=list)
     best: float | None = None
+    recipe: Recipe | None = None
+    """Where validation runs (the averaged weights with ``ema_eval``) and what ``best`` keeps
+    of the schedule and average."""
 
     def run(self, rp: RankProgram, config: TrainConfig, n: int) -> None:
         """Collective: validate after step n; rank 0 prints it; save ``best`` when better."""
-        m = {"step": n, **evaluate(rp, self.val, self.window)}
+        with self.recipe.evaluating() if self.recipe is not None else nullcontext():
+            m = {"step": n, **evaluate(rp, self.val, self.window)}
         self.history.append(m)
         if rp.rank == 0:
             print(line(m, n, config.steps), flush=True)
@@ -94,7 +66,8 @@ class Evals:
             return
         old, self.best = self.best, m[self.metric]
         best = Path(config.checkpoint) / "best"
-        save(rp, best, n, extra={"eval": m, "best_metric": self.metric}, keep=1)
+        save(rp, best, n, extra={"eval": m, "best_metric": self.metric}, keep=1,
+             state=None if self.recipe is None else self.recipe.state())
         if rp.rank == 0:
             was = "" if old is None else f" (was {old:.6f})"
             print(f"best: step {n} {self.metric} {self.best:.6f}{was} -> {best}", flush=True)
@@ -114,7 +87,10 @@ class Trainer:
             rp.input_window(tuple(val.shape[2:]))
         if config.nonfinite is not None:  # wins over FXPAR_NONFINITE
             rp.guard.policy = config.nonfinite
-        self.evals = None if val is None else Evals(val, self.window, config.best_metric)
+        self.recipe = Recipe(rp, config)
+        """The schedule, average and clipping (fxpar.train.recipe)."""
+        self.evals = None if val is None else Evals(val, self.window, config.best_metric,
+                                                    recipe=self.recipe)
 
     def fit(self, start: int | None = None) -> dict[str, Any] | None:
         """Collective: train from step ``start`` (None: :meth:`resume` first) to
@@ -138,27 +114,29 @@ class Trainer:
 
     def train(self, start_step: int = 0,
               after_step: Callable[[int], None] | None = None) -> Recorder:
-        """Steps ``start_step .. steps - 1``; rank 0 prints a progress line (step, loss,
-        images/s) every ``log_every`` steps and at the first and last. after_step(n): called
-        after step n (1-based) finishes."""
-        rp, steps = self.rp, self.config.steps
+        """Steps ``start_step .. steps - 1``; rank 0 prints a progress line (step, loss, the
+        LR it trained with, the gradient norm when clipping measured it, images/s) every
+        ``log_every`` steps and at the first and last. after_step(n): called after step n
+        (1-based) finishes."""
+        rp, steps, recipe = self.rp, self.config.steps, self.recipe
         rec = Recorder(rp)
         every = self.config.log_every or max(1, steps // 50)
         for step in range(start_step, steps):
             t = time.perf_counter()
             x, y = self.batches(step)
             data_s = time.perf_counter() - t
-            skipped = rp.guard.skipped
-            loss, took = rec.step(x, y)
+            skipped, lr = rp.guard.skipped, recipe.before_batch()
+            loss, took = rec.step(x, y, self.config.accumulate)
             n = step + 1
             dropped = rp.guard.skipped > skipped  # policy skip: every rank dropped it
+            recipe.after_batch(n)  # the schedule and the average, after an optimizer step
             if rp.rank == 0 and (n % every == 0 or n == steps or n == start_step + 1
                                  or dropped):
                 ls = rp.loss_scale
                 scale = "" if ls is None else \
                     f"  loss scale {ls.scale:g} ({ls.skipped} skipped)"
                 skip = "  skipped: NaN/inf, undone on every rank" if dropped else ""
-                print(f"step {n:>4}/{steps}  loss {loss:.6f}  "
+                print(f"step {n:>4}/{steps}  loss {loss:.6f}{recipe.progress(lr)}  "
                       f"{rp.program.batch_size / took:8.2f} img/s  ({took:.3f} s, data "
                       f"{data_s:.3f} s){scale}{skip}", flush=True)
             if rp.rank == 0 and n == start_step + 1 and rp.runtime.compiled is not None:
@@ -175,7 +153,7 @@ class Trainer:
             return 0
         step, error = None, None
         try:
-            step = load(rp, folder)
+            step = load(rp, folder, state=self.recipe.state())
         except CheckpointError as e:
             error = str(e)
         errors = [error] if rp.comm is None else rp.comm.allgather_object(error)
@@ -195,7 +173,7 @@ class Trainer:
         if c.checkpoint is None:
             return
         if n == c.steps or (c.checkpoint_every and n % c.checkpoint_every == 0):
-            save(self.rp, c.checkpoint, n)
+            save(self.rp, c.checkpoint, n, state=self.recipe.state())
             if self.rp.rank == 0:
                 print(f"checkpoint: step {n} -> {c.checkpoint}", flush=True)
 

@@ -16,20 +16,30 @@ from torch import nn
 
 def reference_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                    y: torch.Tensor | tuple[torch.Tensor, ...], chunks: int = 1,
-                   loss_fn: Callable = F.cross_entropy) -> float:
+                   loss_fn: Callable = F.cross_entropy, *, accumulate: int = 1, call: int = 0,
+                   before_step: Callable[[nn.Module], None] | None = None) -> float:
     """One optimizer step of plain PyTorch over ``chunks`` equal parts of the batch with
     gradient accumulation (the contract's reference); returns the global mean loss. ``y``:
-    the targets, or a tuple of them (``loss_fn(output, *y)``: a target and a mask)."""
-    opt.zero_grad(set_to_none=True)
+    the targets, or a tuple of them (``loss_fn(output, *y)``: a target and a mask).
+
+    ``accumulate`` = k: this is call ``call`` (0-based) of k that make one step, as
+    ``RankProgram.train_step(accumulate=k)``: gradients zeroed in call 0, each chunk's loss
+    divided by ``chunks * k`` (accumulation over the k batches' chunks), ``before_step(model)``
+    and the optimizer step in call k - 1 only; returns this batch's mean loss."""
+    if call == 0:
+        opt.zero_grad(set_to_none=True)
     total = 0.0
     ys = [torch.tensor_split(t, chunks) for t in y] if isinstance(y, (tuple, list)) else \
         [torch.tensor_split(y, chunks)]
     for i, xc in enumerate(torch.tensor_split(x, chunks)):
-        loss = loss_fn(model(xc), *(part[i] for part in ys)) / chunks
+        loss = loss_fn(model(xc), *(part[i] for part in ys)) / (chunks * accumulate)
         loss.backward()
         total += loss.item()
-    opt.step()
-    return total
+    if call == accumulate - 1:
+        if before_step is not None:
+            before_step(model)
+        opt.step()
+    return total * accumulate
 
 
 RTOL64 = 1e-7

@@ -103,6 +103,15 @@ class Reference:
                 loss = reference_step(self.ref, opt, x, y, chunks, loss_fn)
             self._states.append(_snapshot(self.ref, loss))
 
+    def record(self, calls: list[Callable[[], float]]) -> None:
+        """On the training rank, run ``calls`` now (each one reference ``train_step``, or one
+        call of an accumulation cycle: equivalence.reference_step; it returns its loss) and
+        keep the state after each, for :meth:`step`."""
+        if self.comm.rank != self.root:
+            return
+        for call in calls:
+            self._states.append(_snapshot(self.ref, call()))
+
     def step(self, s: int) -> float:
         """The reference after step ``s`` in ``ref`` on every rank; its loss."""
         if self.comm.rank == self.root:

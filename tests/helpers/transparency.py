@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 import fxpar
@@ -145,9 +146,19 @@ def check(case: Case, atol: float | None = None, rtol: float = RTOL64
     ref.eval()
     out = rp.forward(x)
     if out is not None:
-        assert_same("eval forward", out, ref(x), tol[0], max(rtol, RTOL64_EVAL))
+        assert_tree("eval forward", out, ref(x), tol[0], max(rtol, RTOL64_EVAL))
     assert any(comm.allgather_object(out is not None)), "no rank returned the eval output"
     return rp
+
+
+def assert_tree(name: str, got: object, want: object, atol: float, rtol: float) -> None:
+    """``got`` has ``want``'s structure (a tensor, or tuples, lists, dicts, NamedTuples,
+    dataclasses of tensors: the same types and keys) and every leaf equals (assert_same)."""
+    got_leaves, got_spec = pytree.tree_flatten_with_path(got)
+    want_leaves, want_spec = pytree.tree_flatten_with_path(want)
+    assert got_spec == want_spec, f"{name}: structure {got_spec} != {want_spec}"
+    for (path, g), (_, w) in zip(got_leaves, want_leaves, strict=True):
+        assert_same(f"{name}{pytree.keystr(path)}", g, w, atol, rtol)
 
 
 def assert_covers(rp: fxpar.RankProgram | None, what: str, least: float = 0.95) -> None:

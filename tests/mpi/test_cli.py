@@ -2,12 +2,14 @@
 
 import contextlib
 import io
+import re
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from fxpar.cli.inspect import main as inspect_main
 from fxpar.cli.run import main as run_main
@@ -91,10 +93,13 @@ def test_inspect_too_small_image_names_the_node():
 def test_run_trains_under_mpiexec_with_progress():
     r = run(mpiexec(), "-n", "1", str(BIN / "fxpar-run"), "models:resnet_v2", "-k", "depth=8",
             "--image-size", "32", "--batch-size", "4", "--parts", "2", "--steps", "3",
-            "--lr", "0.05")
+            "--lr", "0.05", "--optimizer", "adamw", "--lr-schedule", "cosine", "--warmup", "1",
+            "--ema", "0.99", "--clip-grad", "1.0")
     assert r.returncode == 0, r.stderr
     steps = [line for line in r.stdout.splitlines() if line.startswith("step")]
     assert len(steps) == 3 and "loss" in steps[0] and "img/s" in steps[0]
+    # warm-up to --lr over 1 step, then the cosine; the norm the clipping measured
+    assert "  lr 0.025  grad norm " in steps[0] and "  lr 0.05  grad norm " in steps[1]
     lines = r.stdout.splitlines()
     head = lines.index(next(line for line in lines if line.startswith("rank  stage  tile")))
     assert lines[head + 1].split()[:3] == ["0", "0", "0"]  # the per-rank table
@@ -185,3 +190,60 @@ def test_the_readme_trainer_script_trains_and_validates_under_sp_and_pp():
     assert sum(line.startswith("step ") for line in lines) == 6
     assert sum(line.startswith("eval  step") for line in lines) == 2, r.stdout
     assert lines[-1].startswith("done: median")
+
+
+def _tiny(tmp_path):
+    f = tmp_path / "tiny.py"
+    f.write_text("import torch.nn as nn\n"
+                 "def make(num_classes=10):\n"
+                 "    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False),\n"
+                 "        nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),\n"
+                 "        nn.Flatten(), nn.Linear(4, num_classes))\n")
+    return f"{f}:make"
+
+
+def test_run_recipe_flags_resume_exactly(tmp_path):
+    """SGD with Nesterov momentum, one-cycle, EMA, clipping by value and accumulation over 2
+    batches: a run resumed from its step-2 checkpoint ends bitwise where the whole run ends,
+    the moving average included."""
+    from fxpar.program.checkpoint import export
+
+    common = (_tiny(tmp_path), "--image-size", "16", "--batch-size", "4", "--steps", "4",
+              "--dtype", "float64", "--device", "cpu", "--nesterov", "--weight-decay", "1e-4",
+              "--lr-schedule", "onecycle", "--ema", "0.9", "--clip-value", "0.5",
+              "--accumulate", "2", "--log-every", "1")
+    whole = call(run_main, *common, "--checkpoint", tmp_path / "a", "--checkpoint-every", "2")
+    assert whole.returncode == 0, whole.stderr
+    steps = [line for line in whole.stdout.splitlines() if line.startswith("step")]
+    assert len(steps) == 4 and all("  lr " in line for line in steps)
+    again = call(run_main, *common, "--checkpoint", tmp_path / "b", "--resume",
+                 tmp_path / "a" / "step-00000002")
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stdout and "step    3/4" in again.stdout
+    for ema in (False, True):
+        want, got = export(tmp_path / "a", ema=ema), export(tmp_path / "b", ema=ema)
+        assert list(want) == list(got)
+        assert all(torch.equal(got[k], v) for k, v in want.items()), ema
+    plain = call(run_main, *common[:11], "--steps", "2", "--checkpoint", tmp_path / "c")
+    assert plain.returncode == 0, plain.stderr
+    missing = call(run_main, *common, "--resume", tmp_path / "c")
+    assert missing.returncode == 2, missing.stderr
+    assert "saved without the scheduler and ema state" in missing.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--optimizer", "adamw", "--momentum", "0.5"), "--momentum: SGD's, not adamw's"),
+    (("--optimizer", "adamw", "--nesterov"), "--nesterov: SGD's, not adamw's"),
+    (("--ema", "0.9", "--ema-eval"), "--ema-eval validates with the averaged weights: give "
+                                     "--val-data"),
+    (("--accumulate", "2", "--steps", "3"), "--steps 3 with --accumulate 2: make the steps"),
+    (("--lr-schedule", "cosine", "--warmup", "5", "--steps", "4"),
+     "warmup=5 with total_steps=4"),
+    (("--clip-grad", "1", "--clip-value", "1"), "not both"),
+    (("--ema", "1.5",), r"ema 1.5: give a decay in \[0, 1\)"),
+    (("--warmup", "-1",), "--warmup must be >= 0"),
+])
+def test_run_recipe_flags_are_checked_with_what_to_change(args, message):
+    r = call(run_main, "models:resnet_v2", "--image-size", "32", "--device", "cpu", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert re.search(message, r.stderr), r.stderr

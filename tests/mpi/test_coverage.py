@@ -1,5 +1,6 @@
 """The spatial coverage figure is what the ranks run: it matches torch's FLOP counter on each
-rank of a real SP2 and SP4 job within 1 % (tests/mpi/cases/coverage_cases.py)."""
+rank of a real SP2 and SP4 job within 1 %; the counter runs around a training step of split
+convolutions and counts one process's convolution FLOPs (tests/mpi/cases/coverage_cases.py)."""
 
 import pytest
 from helpers.launch import Batch, cases_in, check

@@ -2,7 +2,9 @@
 (tests/helpers/threads.py, no MPI): each op's fake kernel gives the shapes, dtypes and strides
 its real kernel gives (``torch.library.opcheck``'s fake-tensor check, which also runs the
 real kernel), and what the tiles compute is the whole image's (float64, exact where the
-arithmetic is the same)."""
+arithmetic is the same). Under torch.utils.flop_counter.FlopCounterMode (Lightning's
+``measure_flops``, MFU counters) each op counts what torch counts for the plain op on the same
+shapes (issue 59: ``halo_conv_grad``'s formula raised)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.threads import ThreadComm, run_threads
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 from fxpar.core.geometry import Grid, Rect, exchange, out_extent, window_rows
 from fxpar.core.values import dumps
@@ -150,6 +158,83 @@ def test_sync_batch_norm():
     parts = _on_tiles(rank)
     torch.testing.assert_close(parts[0]["gw"] + parts[1]["gw"], wr.grad, rtol=0, atol=1e-12)
     torch.testing.assert_close(parts[0]["gb"] + parts[1]["gb"], br.grad, rtol=0, atol=1e-12)
+
+
+# -- FLOPs, as torch.utils.flop_counter counts them ---------------------------------------------
+def _counted(fn: Callable[[], Any]) -> dict[Any, int]:
+    """FLOPs per op (OpOverloadPacket) that FlopCounterMode counts while ``fn`` runs."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return dict(counter.get_flop_counts()["Global"])
+
+
+def _split_conv_flops(comm: ThreadComm) -> dict[str, dict[Any, int]]:
+    """FLOPs of forward + backward of this tile's split 3x3 convolution, and of torch's
+    convolution (padding 0) on the same haloed window, each under its own FlopCounterMode."""
+    ex, _ = _conv_exchange(comm.rank)
+    spec = dumps({"exchange": ex, "kind": "conv", "replicated": False, "tag": 10,
+                  "cfg": {"stride": (1, 1), "dilation": (1, 1), "groups": 1}})
+    tile = _cut(X, ex.own).contiguous().requires_grad_()
+    w, b = W.clone().requires_grad_(), B.clone().requires_grad_()
+    g = torch.ones((2, 4, *ex.own.shape), dtype=torch.float64)  # 'same': tile-sized outputs
+    n = ex.need  # the window in the zero-padded image's coordinates (padding 1 on each side)
+    window = F.pad(X, (1, 1, 1, 1))[:, :, n.h[0] + 1:n.h[1] + 1, n.w[0] + 1:n.w[1] + 1]
+    window = window.contiguous().requires_grad_()
+    wr, br = W.clone().requires_grad_(), B.clone().requires_grad_()
+    counts = {
+        "split": _counted(lambda: torch.ops.fxpar.halo_op(tile, w, b, KEY, spec)[0].backward(g)),
+        "plain": _counted(lambda: F.conv2d(window, wr, br).backward(g))}
+    assert tile.grad is not None and w.grad is not None and b.grad is not None
+    return counts
+
+
+@pytest.fixture
+def split_flops(monkeypatch) -> list[dict[str, dict[Any, int]]]:
+    monkeypatch.setattr(haloconv, "MIN_RATIO", 0)  # split tiles this small
+    return _on_tiles(_split_conv_flops)
+
+
+def test_split_convolution_counts_torchs_flops_on_its_window(split_flops):
+    """halo_op counts torch's convolution on the haloed window, halo_conv_grad its
+    convolution_backward (input and weight gradients) on the same shapes, on every tile."""
+    aten, ops = torch.ops.aten, torch.ops.fxpar
+    for counts in split_flops:
+        split, plain = counts["split"], counts["plain"]
+        assert set(split) == {ops.halo_op, ops.halo_conv_grad}, split
+        assert set(plain) == {aten.convolution, aten.convolution_backward}, plain
+        assert split[ops.halo_op] == plain[aten.convolution] > 0
+        assert split[ops.halo_conv_grad] == plain[aten.convolution_backward] > 0
+
+
+def test_tiles_of_a_split_convolution_count_the_whole_convolution(split_flops):
+    """Summed over the tiles: the whole image's forward and backward FLOPs (torch counts a
+    convolution by its outputs, which the tiles partition: the halo cells add none)."""
+    aten, ops = torch.ops.aten, torch.ops.fxpar
+    x, w, b = (t.clone().requires_grad_() for t in (X, W, B))
+    g = torch.ones(2, 4, *EXTENT, dtype=torch.float64)
+    whole = _counted(lambda: F.conv2d(x, w, b, 1, 1).backward(g))
+    tiles = {op: sum(c["split"][op] for c in split_flops)
+             for op in (ops.halo_op, ops.halo_conv_grad)}
+    assert tiles[ops.halo_op] == whole[aten.convolution] == 2 * 2 * 4 * 3 * 9 * 8 * 10
+    assert tiles[ops.halo_conv_grad] == whole[aten.convolution_backward] \
+        == 2 * whole[aten.convolution]
+
+
+def test_attention_formulas_count_torchs_attention_flops():
+    """The attention ops' formulas, called as FlopCounterMode calls them (tensors, the outputs
+    as ``out_val``): ring attention counts scaled_dot_product_attention and its backward over
+    every rank's keys, gather attention over this rank's own."""
+    ops, lengths = torch.ops.fxpar, [5, 7]
+    q, k, v = (torch.empty(2, 3, n, 8) for n in (6, 5, 5))
+    out, lse = torch.empty(2, 3, 6, 8), torch.empty(2, 3, 6)
+    fwd = flop_registry[ops.ring_attention](q, k, v, KEY, lengths, 0.5, 40, out_val=(out, lse))
+    bwd = flop_registry[ops.ring_attention_grad](out, q, k, v, out, lse, KEY, lengths, 0.5, 40,
+                                                 out_val=(q, k, v, q))
+    shapes = ((2, 3, 6, 8), (2, 3, 12, 8), (2, 3, 12, 8))  # torch's, on the whole K and V
+    assert fwd == sdpa_flop_count(*shapes) == 2 * (2 * 3 * 6 * 12 * 8 * 2)
+    assert bwd == sdpa_backward_flop_count((2, 3, 6, 8), *shapes) == 5 * fwd // 2
+    mine = flop_registry[ops.gather_attention](q, k, v, KEY, 0.5, out_val=(out, lse))
+    assert mine == sdpa_flop_count((2, 3, 6, 8), (2, 3, 5, 8), (2, 3, 5, 8)) == 5 * fwd // 12
 
 
 def test_an_unbound_group_is_a_clear_error():

@@ -314,6 +314,14 @@ def _ring_attention_grad_flops(g_shape: Any, q_shape: Any, k_shape: Any, v_shape
                                     _as_4d(v_shape, lk))
 
 
+@register_flop_formula(torch.ops.fxpar.gather_attention)
+def _gather_attention_flops(q_shape: Any, k_shape: Any, v_shape: Any, *args: Any,
+                            out_shape: Any = None, **kwargs: Any) -> int:
+    """Attention over this rank's own keys (the merge counts none; its backward is ATen ops,
+    which torch counts itself)."""
+    return sdpa_flop_count(_as_4d(q_shape), _as_4d(k_shape), _as_4d(v_shape))
+
+
 # -- modules the compiler puts into a stage graph ---------------------------------------------
 def _scale(scale: float | None, q: Tensor) -> float:
     return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])

@@ -48,6 +48,7 @@ from fxpar.comm.mpi import Comm, Request
 from fxpar.comm.ordered import exchange
 from fxpar.core.geometry import Rect
 from fxpar.core.options import flag
+from fxpar.core.torchcompat import raw_flop_formula
 from fxpar.core.values import loads
 from fxpar.runtime.spatial import haloconv
 from fxpar.runtime.spatial.collectives import fxpar_op  # and its ops: fxpar::allreduce
@@ -320,13 +321,20 @@ def _halo_op_flops(x_shape: Any, w_shape: Any, _bias: Any, _key: str, spec: str,
     return conv_flop_count(window, list(w_shape), list(out_shape[0]))
 
 
+_conv_backward_flop = raw_flop_formula(conv_backward_flop)  # out_shape positional
+
+
 @register_flop_formula(torch.ops.fxpar.halo_conv_grad)
 def _halo_conv_grad_flops(g_shape: Any, x_shape: Any, w_shape: Any, _bias: Any, _pieces: Any,
                           _key: str, spec: str, need: list[bool], *args: Any,
                           out_shape: Any = None, **kwargs: Any) -> int:
-    window = [*x_shape[:2], *loads(spec)["exchange"].need.shape]
-    return conv_backward_flop(list(g_shape), window, list(w_shape), None, None, None, None,
-                              False, None, None, [need[0], need[1], False], None)
+    """torch's count of ``convolution_backward`` on the window: the window's input gradient
+    (halo cells included) and the weight gradient, as ``need`` asks (the bias's counts none).
+    ``out_shape`` (the tile's gradient, empty ones where not needed) is replaced by the
+    window's shapes."""
+    window, weight = [*x_shape[:2], *loads(spec)["exchange"].need.shape], list(w_shape)
+    return _conv_backward_flop(list(g_shape), window, weight, None, None, None, None, False,
+                               None, None, [need[0], need[1], False], (window, weight, None))
 
 
 for _op in (halo, halo_grad, halo_op, halo_conv_grad, join):

@@ -12,10 +12,12 @@ backward of the allreduce is an allreduce of the gradient (fxpar.runtime.spatial
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from fxpar.core.outputs import rebuild
 from fxpar.runtime.spatial.group import TileOp
 from fxpar.runtime.spatial.norms import group_sum
 from fxpar.runtime.spatial.ops import Join
@@ -75,40 +77,70 @@ def _squeeze(y: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 
 class JoinedLoss(torch.nn.Module):
-    """The loss on the whole output, whole on every rank of the tile group: the output's tiles
-    are joined first (an allgather; its backward sums the ranks' gradients and keeps each
-    tile's part), and so are the tiles of the targets marked in ``joined`` (each rank holds
-    its tile of a per-pixel target, as a loader reading only ``target_window()`` gives it).
-    Exact for any loss, at the cost of the whole output on every rank: what fxpar does when a
-    loss cannot be captured or has an op without a tile rule."""
+    """The loss on the whole output, whole on every rank of the tile group: each tiled leaf of
+    the output is joined first (an allgather; its backward sums the ranks' gradients and keeps
+    each tile's part), and so are the per-pixel targets (each rank holds its tile of one, as a
+    loader reading only ``target_window()`` gives it). Exact for any loss, at the cost of the
+    whole output on every rank: what fxpar does when a loss cannot be captured or has an op
+    without a tile rule.
 
-    def __init__(self, loss_fn: Any, rects: tuple[Any, ...], tile: int, key: str,
-                 joined: tuple[bool, ...] = ()) -> None:
+    leaves: per leaf of the output, the tiles' rects of its image (None: whole already);
+    targets: the same per target; spec: the output's structure (fxpar.core.outputs)."""
+
+    def __init__(self, loss_fn: Any, leaves: tuple[tuple[Any, ...] | None, ...], tile: int,
+                 key: str, targets: tuple[tuple[Any, ...] | None, ...] = (),
+                 spec: Any = None) -> None:
         super().__init__()
-        self.loss_fn, self.joined = loss_fn, tuple(joined)
-        self.join = Join(rects, tile, key, tag=JOIN_TAG)
+        self.loss_fn, self.spec = loss_fn, spec
+        self.leaves = [None if r is None else Join(r, tile, key, tag=JOIN_TAG) for r in leaves]
+        self.targets = [None if r is None else Join(r, tile, key, tag=JOIN_TAG)
+                        for r in targets]
 
-    def forward(self, output: torch.Tensor, *targets: Any) -> torch.Tensor:
-        whole = [self._join(t) if j else t for t, j in
-                 zip(targets, self.joined + (False,) * len(targets), strict=False)]
-        return self.loss_fn(self.join(output), *whole)
-
-    def _join(self, t: torch.Tensor) -> torch.Tensor:
-        nd = self.join.rects[0].ndim
-        lead = t.shape[:-nd]
-        full = self.join(t.reshape(1, -1, *t.shape[-nd:]))
-        return full.reshape(*lead, *full.shape[-nd:])
+    def forward(self, *args: Any) -> torch.Tensor:
+        n = len(self.leaves)
+        leaves = [t if j is None else _join(j, t) for t, j in zip(args[:n], self.leaves,
+                                                                    strict=True)]
+        joins = self.targets + [None] * (len(args) - n - len(self.targets))
+        whole = [t if j is None else _join(j, t) for t, j in zip(args[n:], joins, strict=True)]
+        return self.loss_fn(rebuild(self.spec, tuple(leaves)), *whole)
 
 
-def image_layout(shape: tuple[int, ...], extent: tuple[int, ...]
+def _join(join: Join, t: torch.Tensor) -> torch.Tensor:
+    """``t``'s tiles joined: an (N, C, *image) tensor as it is, any other (a target (N, H, W))
+    as one (1, -1, *image) tensor and back."""
+    nd = join.rects[0].ndim
+    if t.dim() == nd + 2:
+        return join(t)
+    lead = t.shape[:-nd]
+    full = join(t.reshape(1, -1, *t.shape[-nd:]))
+    return full.reshape(*lead, *full.shape[-nd:])
+
+
+def image_layout(shape: tuple[int, ...], extent: tuple[int, ...], first_axis: int = 0
                  ) -> tuple[tuple[int, ...], ...] | None:
     """The layout of a loss input (fxpar.frontend.rules.dims) whose last dims are the tiled
     output's image dims: each holds its grid axis, and the rank holds its tile; None for any
-    other input, whole on every rank."""
+    other input, whole on every rank. ``first_axis``: the loss's axis of the image's first
+    dim (an output with leaves at several image sizes gives each size axes of its own:
+    :func:`loss_axes`)."""
     nd = len(extent)
     if len(shape) > nd and tuple(shape[-nd:]) == tuple(extent):
-        return ((),) * (len(shape) - nd) + tuple((a,) for a in range(nd))
+        return ((),) * (len(shape) - nd) + tuple((first_axis + a,) for a in range(nd))
     return None
+
+
+def loss_axes(extents: Sequence[tuple[int, ...] | None]) -> list[tuple[int, ...]]:
+    """The image sizes of an output's tiled leaves, each once, in order: size k holds the
+    loss's grid axes ``k*nd .. k*nd + nd - 1`` (a main mask and a half-size deep-supervision
+    head: axes 0, 1 at full size, 2, 3 at half)."""
+    return list(dict.fromkeys(e for e in extents if e is not None))
+
+
+def target_extent(shape: tuple[int, ...], sizes: Sequence[tuple[int, ...]]
+                  ) -> tuple[int, ...] | None:
+    """The image size (of :func:`loss_axes`) a target is per-pixel at, the first that fits;
+    None: the target is whole on every rank (class labels, weights)."""
+    return next((e for e in sizes if image_layout(shape, e) is not None), None)
 
 
 JOIN_TAG = 8
