@@ -37,13 +37,14 @@ from fxpar.cli.auto import AutoUsageError, add_args, check_no_layout, choose
 from fxpar.cli.losses import LOSSES, LossArgError, make_loss
 from fxpar.cli.train import (  # train and finish: re-exported (scripts import them here)
     Job,
-    add_eval_args,
-    add_recipe_args,
+    add_train_args,
     check_eval_args,
     check_task,
     optimizer,
     resume,
     run,
+    sampled,
+    sampled_source,
 )
 from fxpar.cli.train import finish as finish
 from fxpar.cli.train import train as train
@@ -204,8 +205,7 @@ def parser() -> argparse.ArgumentParser:
                    help="compile each rank's stages with torch.compile (Inductor): fused "
                    "pointwise code, the same values to rounding; compiles at the first step")
     add_args(g, run=True)
-    add_eval_args(p)
-    add_recipe_args(p)
+    add_train_args(p)
     return p
 
 
@@ -263,10 +263,10 @@ def _source(a: argparse.Namespace, shape: tuple[int, ...],
             raise DataError("--epochs needs --data DIR (synthetic data has no epochs): "
                             "use --steps")
         a.steps = 10 if a.steps is None else a.steps
-        return Synthetic(shape, a.num_classes, dtype, a.seed)
+        return sampled_source(a, Synthetic(shape, a.num_classes, dtype, a.seed))
     # a CSV (labels or masks), or a folder at another pyramid level: fxpar.data.samples; a
     # plain folder: the image folder reader (NIfTI volumes, PIL images as before)
-    samples = a.data.suffix.lower() == ".csv" or a.level != 0
+    samples = a.data.suffix.lower() == ".csv" or a.level != 0 or sampled(a)
     if samples:
         src: Any = open_source(a.data, shape, dtype, a.seed, shuffle=not a.no_shuffle,
                                level=a.level)
@@ -284,7 +284,7 @@ def _source(a: argparse.Namespace, shape: tuple[int, ...],
     if a.epochs is not None:
         a.steps = a.epochs * src.steps_per_epoch
     a.steps = 10 if a.steps is None else a.steps
-    return src
+    return sampled_source(a, src)  # --sampler / --augment: drawn, augmented regions
 
 
 def _compiled(a: argparse.Namespace, comm: Comm | None) -> Job:

@@ -19,13 +19,12 @@ from torch import fx, nn
 from fxpar.comm import failfast, watchdog
 from fxpar.comm.mpi import Comm
 from fxpar.core.geometry import Rect
-from fxpar.core.outputs import from_leaves, leaves_of
 from fxpar.core.plan import PRECISION_DTYPES, Plan, PlanError
 from fxpar.core.roles import chunks_per_copy, first_chunk
 from fxpar.core.schedule import Action, format_grid, split_keys
 from fxpar.core.wire import Order
 from fxpar.program import gradstep
-from fxpar.program.checkpoint_folder import CheckpointError, some_keys
+from fxpar.program.batches import joined_outputs, load_stages, output_of, split_targets
 from fxpar.program.compiled import RunnableProgram, input_window_of
 from fxpar.program.groups import communicators, rank_order, stage_syncs, tile_groups
 from fxpar.program.tileloss import TileLoss
@@ -33,7 +32,6 @@ from fxpar.runtime.guard import StepGuard
 from fxpar.runtime.inductor import compiled_stages
 from fxpar.runtime.loop import FORWARD, Runtime, StepState, Tiling
 from fxpar.runtime.scale import LossScale
-from fxpar.runtime.spatial.ops import Join, group_key
 
 
 def to_channels_last(params: list[nn.Parameter]) -> None:
@@ -344,7 +342,7 @@ class RankProgram:
                 p.grad = None
         xs = [None] * n if x is None else list(torch.tensor_split(x, n))
         factor = self.loss_scale.scale if self.loss_scale is not None else 1.0
-        state = StepState(xs, list(_split_target(y, n)),  # type: ignore[arg-type]
+        state = StepState(xs, list(split_targets(y, n)),  # type: ignore[arg-type]
                           scale=factor / (n * k), step=step)
         for sync in self.syncs:
             if self.accumulation.last:
@@ -438,28 +436,13 @@ class RankProgram:
         state = StepState(xs, [None] * n, scale=1.0, train=False)  # type: ignore[arg-type]
         with self.groups.bound(), torch.no_grad():
             self.runtime.run(state, FORWARD)
-        spec = self.program.graph.out_spec
-        results = {k: leaves_of(spec, v) for k, v in state.results.items()}
-        info, tiling = self.program.spatial, self.runtime.tiling
-        last = self.plan.stages - 1
-        if info is not None and tiling is not None and info.out_tiled and tiling.spatial(last):
-            per_copy = chunks_per_copy(self.plan)
-            with self.groups.bound(), torch.no_grad():  # tiled leaves of the output: join
-                for chunk in sorted(results):  # them, per model copy
-                    c = (chunk // per_copy) % self.plan.copies
-                    results[chunk] = tuple(
-                        x if e is None else Join(tuple(info.grid.tile_rect(e, u) for u in range(
-                            info.grid.size)), tiling.tiles[c], group_key(last, c))(x)
-                        for x, e in zip(results[chunk], info.leaf_extents, strict=True))
+        results = joined_outputs(self.program, self.runtime.tiling, self.groups, state.results)
         if self.comm is not None and (self.plan.copies > 1 or self.plan.data_parallel > 1):
             merged: dict[int, Any] = {}  # each copy / replica has its own chunks' outputs
             for part in self.comm.allgather_object(results):
                 merged.update(part)
             results = merged if state.results else {}
-        if not results:
-            return None
-        outs = [results[i] for i in sorted(results)]
-        return from_leaves(spec, tuple(_concat(parts) for parts in zip(*outs, strict=True)))
+        return output_of(self.program.graph.out_spec, results)
 
     def predict(self, image: Any, out: str | os.PathLike[str] | None = None,
                 **kwargs: Any) -> Any:
@@ -520,55 +503,5 @@ class RankProgram:
         place; keys of other ranks' stages are ignored. Returns the keys loaded. strict: every key
         this rank needs must be there, and no key outside the model (see
         fxpar.program.checkpoint)."""
-        known = set(self.program.names)
-        wanted: dict[tuple[int, int], list[str]] = {
-            key: [k for k in m.state_dict() if k in known] for key, m in self.stages.items()}
-        needed = sorted({k for keys in wanted.values() for k in keys}, key=self._order)
-        if strict:
-            missing = [k for k in needed if k not in state_dict]
-            unknown = [k for k in state_dict if k not in known]
-            if missing or unknown:
-                what = []
-                if missing:
-                    what.append(f"missing {len(missing)} key(s) rank {self.rank} needs: "
-                                f"{some_keys(missing)}")
-                if unknown:
-                    what.append(f"{len(unknown)} key(s) the compiled model does not have: "
-                                f"{some_keys(unknown)}")
-                raise CheckpointError(
-                    f"load_state_dict: {'; '.join(what)}. Pass the whole single-device "
-                    f"state_dict of the same model (model.state_dict()), or strict=False to "
-                    f"load what matches")
-        with torch.no_grad():
-            for key, module in self.stages.items():
-                part = {k: state_dict[k] for k in wanted[key] if k in state_dict}
-                try:
-                    module.load_state_dict(part, strict=False)  # copy_ into the existing tensors
-                except RuntimeError as e:
-                    raise CheckpointError(f"load_state_dict into (copy, stage) {key}: {e}") from e
-        return [k for k in needed if k in state_dict]
-
-
-def _concat(parts: tuple[Any, ...]) -> Any:
-    """One leaf of the output over the chunks: tensors concatenated along the batch, 0-dim
-    ones stacked (one per chunk: fxpar.compiler.outputs warns at compile), a constant once."""
-    if not isinstance(parts[0], torch.Tensor):
-        return parts[0]
-    return torch.cat(parts) if parts[0].dim() else torch.stack(parts)
-
-
-def _split_target(y: Any, n: int) -> list[Any]:
-    """The targets of each of ``n`` chunks: a tensor split along the batch, or a tuple of
-    tensors (a target and a mask: ``loss_fn(output, *y)``) each split alike."""
-    if y is None:
-        return [None] * n
-    if isinstance(y, torch.Tensor):
-        return list(torch.tensor_split(y, n))
-    if isinstance(y, tuple) and y and all(isinstance(t, torch.Tensor) for t in y):
-        return [tuple(part) for part in zip(*(torch.tensor_split(t, n) for t in y),
-                                            strict=True)]
-    if n == 1:
-        return [y]
-    raise TypeError(f"targets of type {type(y).__name__} cannot be split into {n} chunks: "
-                    f"pass a tensor whose first dimension is the batch, or a tuple of such "
-                    f"tensors (a target and a mask)")
+        return load_stages(self.stages, self.program.names, state_dict, strict, self.rank,
+                           self._order)

@@ -182,6 +182,7 @@ class StageSync:
         self.seen = [0] * len(self.slots)
         self.pending: list[tuple[torch.Tensor, Any]] = []
         self.next_bucket = 0
+        self.missing: set[int] = set()
         self.early = 0
         """Buckets of the last step whose sum started during backward (overlapped)."""
         self.started_at: list[int] = []
@@ -224,6 +225,7 @@ class StageSync:
         self.seen = [0] * len(self.slots)
         self.pending = []
         self.next_bucket = 0
+        self.missing = set()  # slots this rank has no gradient for (the sum says if any has)
 
     def _ready(self, i: int) -> None:
         self.seen[i] += 1
@@ -240,8 +242,10 @@ class StageSync:
         slots = [self.slots[j] for j in self.buckets[k]]
         # after the gradients, one count per slot of the ranks that have it: a parameter no
         # rank's backward reached (a head whose output the loss never reads) keeps None
-        has = torch.tensor([float(any(p.grad is not None for p in slot)) for slot in slots],
-                           dtype=slots[0][0].dtype, device=slots[0][0].device)
+        has = [any(p.grad is not None for p in slot) for slot in slots]
+        self.missing.update(j for j, h in zip(self.buckets[k], has, strict=True) if not h)
+        has = torch.tensor([float(h) for h in has], dtype=slots[0][0].dtype,
+                           device=slots[0][0].device)
         flat = torch.cat([*(_total(slot).reshape(-1) for slot in slots), has])
         assert self.comm is not None
         self.pending.append((flat, self.comm.iallreduce(flat)))
@@ -274,8 +278,13 @@ class StageSync:
         for k, (flat, req) in enumerate(self.pending):
             req.wait()  # the sum lands in the bucket, whose views the gradients are (_launch)
             bucket = self.buckets[k]
-            reached = flat[len(flat) - len(bucket):].tolist()
-            for j, count in zip(bucket, reached, strict=True):
+            counts = [1.0] * len(bucket)  # this rank has a gradient: the sum has one
+            unsure = [i for i, j in enumerate(bucket) if j in self.missing]
+            if unsure:  # a host read only for a parameter whose gradient this rank lacks
+                tail = flat[len(flat) - len(bucket):]
+                for i, c in zip(unsure, tail[unsure].tolist(), strict=True):
+                    counts[i] = c
+            for j, count in zip(bucket, counts, strict=True):
                 total = self.slots[j][0].grad if count else None
                 self.slots[j][0].grad = total
                 for p in self.slots[j][1:]:  # other GEMS copies get their own (in-place

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fxpar.runtime.guard import nonfinite_policy
 from fxpar.train.evaluate import BEST
+from fxpar.train.logs import check_tensorboard
 from fxpar.train.schedules import Schedule
 
 EVERY = ("step", "epoch")
@@ -59,6 +60,14 @@ class TrainConfig:
     """Clamp every gradient to [-clip_value, clip_value] before each optimizer step."""
     accumulate: int = 1
     """Batches per optimizer step (gradient accumulation); 1 means none."""
+    log_csv: Path | None = None
+    """Rank 0 logs every step and eval to this CSV file (fxpar.train.logs); give the same
+    logs on every rank (the gradient norm is then measured, a collective)."""
+    log_jsonl: Path | None = None
+    """The same rows as JSON lines (fxpar.train.logs)."""
+    tensorboard: Path | None = None
+    """The same values as TensorBoard scalars in this folder (``pip install
+    'fxpar[tensorboard]'``)."""
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -75,6 +84,8 @@ class TrainConfig:
         if self.nonfinite is not None:
             nonfinite_policy(self.nonfinite)
         self._check_recipe()
+        if self.tensorboard is not None:
+            check_tensorboard(f"tensorboard={self.tensorboard}")
 
     def _check_recipe(self) -> None:
         if self.lr_schedule is not None and not callable(self.lr_schedule):

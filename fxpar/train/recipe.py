@@ -1,7 +1,8 @@
 """What a :class:`~fxpar.train.trainer.TrainConfig` adds around each optimizer step of a rank
 program: gradient clipping (run by the program between its gradient sync and the optimizer
 step, ``rp.before_optimizer_step``), accumulation (``rp.train_step(..., accumulate=k)``), the
-LR schedule (fxpar.train.schedules) and the weights' moving average (fxpar.train.ema).
+LR schedule (fxpar.train.schedules) and the weights' moving average (fxpar.train.ema); with a
+log open (fxpar.train.logs) it measures the gradient norm at each optimizer step.
 
 Counting: the Trainer's steps are batches (``train_step`` calls); with ``accumulate=k`` the
 last of each cycle of k makes an optimizer step (fxpar.program.gradstep), and only those step
@@ -14,6 +15,7 @@ because every rank sees the same steps.
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 from fxpar.program.checkpoint import Stateful
 from fxpar.train.config import TrainConfig
 from fxpar.train.ema import EMA
+from fxpar.train.logs import wanted
 from fxpar.train.schedules import RankSchedule
 
 if TYPE_CHECKING:
@@ -48,6 +51,16 @@ class ClipValue:
         rp.clip_grad_value_(self.value)
 
 
+@dataclass(frozen=True)
+class MeasureNorm:
+    """``rp.before_optimizer_step`` hook while a log is open (fxpar.train.logs): measure the
+    gradients' global norm without clipping (``rp.clip_grad_norm_(inf)``: the coefficient is
+    exactly 1), before any clipping by value."""
+
+    def __call__(self, rp: RankProgram) -> None:
+        rp.clip_grad_norm_(math.inf)
+
+
 class Recipe:
     """The schedule, average and clipping of ``config`` for ``rp`` (the module doc). Its
     clipping hook goes on ``rp.before_optimizer_step`` once, however many Trainers share
@@ -58,10 +71,16 @@ class Recipe:
         self.schedule = None if config.lr_schedule is None else \
             RankSchedule(rp, config.lr_schedule)
         self.ema = None if config.ema is None else EMA(rp, config.ema, config.ema_warmup)
-        hook = ClipNorm(config.clip_grad) if config.clip_grad is not None else \
-            ClipValue(config.clip_value) if config.clip_value is not None else None
-        if hook is not None and hook not in rp.before_optimizer_step:
-            rp.before_optimizer_step.append(hook)
+        hooks: list[ClipNorm | ClipValue | MeasureNorm] = []
+        if config.clip_grad is not None:
+            hooks.append(ClipNorm(config.clip_grad))
+        elif wanted(config):
+            hooks.append(MeasureNorm())
+        if config.clip_value is not None:
+            hooks.append(ClipValue(config.clip_value))
+        for hook in hooks:
+            if hook not in rp.before_optimizer_step:
+                rp.before_optimizer_step.append(hook)
         self._before = (False, 0)
 
     def _drops(self) -> int:

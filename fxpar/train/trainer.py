@@ -20,6 +20,8 @@ schedule (``lr_schedule=fxpar.train.schedules.warmup_cosine(total, warmup)``), a
 average of the weights (``ema=0.999``, fxpar.train.ema; ``ema_eval`` validates with it),
 clipping (``clip_grad``, ``clip_value``) and accumulation (``accumulate=k``). Checkpoints keep
 the scheduler's and the average's state; a resumed run goes on exactly as an uninterrupted one.
+``log_csv``, ``log_jsonl`` and ``tensorboard`` log every step's progress values and every eval
+on rank 0 (fxpar.train.logs; a resumed run appends).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from fxpar.program.checkpoint import CheckpointError, load, save
 from fxpar.program.program import RankProgram
 from fxpar.train.config import TrainConfig
 from fxpar.train.evaluate import Validation, better, evaluate, line
+from fxpar.train.logs import Logs, eval_row, open_logs, train_row
 from fxpar.train.metrics import Recorder, gather, table, write_metrics
 from fxpar.train.recipe import Recipe
 
@@ -55,15 +58,16 @@ class Evals:
     """Where validation runs (the averaged weights with ``ema_eval``) and what ``best`` keeps
     of the schedule and average."""
 
-    def run(self, rp: RankProgram, config: TrainConfig, n: int) -> None:
-        """Collective: validate after step n; rank 0 prints it; save ``best`` when better."""
+    def run(self, rp: RankProgram, config: TrainConfig, n: int) -> dict[str, Any]:
+        """Collective: validate after step n; rank 0 prints it; save ``best`` when better.
+        Returns the eval's metrics."""
         with self.recipe.evaluating() if self.recipe is not None else nullcontext():
             m = {"step": n, **evaluate(rp, self.val, self.window)}
         self.history.append(m)
         if rp.rank == 0:
             print(line(m, n, config.steps), flush=True)
         if config.checkpoint is None or not better(self.metric, m[self.metric], self.best):
-            return
+            return m
         old, self.best = self.best, m[self.metric]
         best = Path(config.checkpoint) / "best"
         save(rp, best, n, extra={"eval": m, "best_metric": self.metric}, keep=1,
@@ -71,6 +75,7 @@ class Evals:
         if rp.rank == 0:
             was = "" if old is None else f" (was {old:.6f})"
             print(f"best: step {n} {self.metric} {self.best:.6f}{was} -> {best}", flush=True)
+        return m
 
 
 class Trainer:
@@ -91,6 +96,8 @@ class Trainer:
         """The schedule, average and clipping (fxpar.train.recipe)."""
         self.evals = None if val is None else Evals(val, self.window, config.best_metric,
                                                     recipe=self.recipe)
+        self.logs = Logs()
+        """The run's open logs (fxpar.train.logs; on rank 0, while :meth:`fit` runs)."""
 
     def fit(self, start: int | None = None) -> dict[str, Any] | None:
         """Collective: train from step ``start`` (None: :meth:`resume` first) to
@@ -100,16 +107,26 @@ class Trainer:
         start = self.resume() if start is None else start
         if start is None:
             return None
-        rec = self.train(start, self.after_step)
-        if self.evals is not None and not self.evals.history:
-            self.evals.run(self.rp, self.config, max(start, self.config.steps))
-        return self.finish(rec)
+        self.logs = open_logs(self.config, start, self.rp.rank)
+        try:
+            rec = self.train(start, self.after_step)
+            if self.evals is not None and not self.evals.history:
+                self.validate(max(start, self.config.steps))
+            return self.finish(rec)
+        finally:
+            self.logs.close()
+
+    def validate(self, n: int) -> None:
+        """Collective: the validation pass after step n, logged."""
+        assert self.evals is not None
+        m = self.evals.run(self.rp, self.config, n)
+        self.logs.write(eval_row(m))
 
     def after_step(self, n: int) -> None:
         """Collective, after step n (1-based): validation and checkpoint when due."""
         c = self.config
         if self.evals is not None and (n == c.steps or (c.eval_every and n % c.eval_every == 0)):
-            self.evals.run(self.rp, c, n)
+            self.validate(n)
         self.checkpoint(n)
 
     def train(self, start_step: int = 0,
@@ -130,6 +147,9 @@ class Trainer:
             n = step + 1
             dropped = rp.guard.skipped > skipped  # policy skip: every rank dropped it
             recipe.after_batch(n)  # the schedule and the average, after an optimizer step
+            if self.logs:
+                self.logs.write(train_row(n, loss, lr, rp.grad_norm, rp.program.batch_size,
+                                          took, data_s))
             if rp.rank == 0 and (n % every == 0 or n == steps or n == start_step + 1
                                  or dropped):
                 ls = rp.loss_scale

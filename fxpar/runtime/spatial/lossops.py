@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fxpar.core.outputs import rebuild
+from fxpar.core.outputs import from_leaves
 from fxpar.runtime.spatial.group import TileOp
 from fxpar.runtime.spatial.norms import group_sum
 from fxpar.runtime.spatial.ops import Join
@@ -102,7 +102,7 @@ class JoinedLoss(torch.nn.Module):
                                                                     strict=True)]
         joins = self.targets + [None] * (len(args) - n - len(self.targets))
         whole = [t if j is None else _join(j, t) for t, j in zip(args[n:], joins, strict=True)]
-        return self.loss_fn(rebuild(self.spec, tuple(leaves)), *whole)
+        return self.loss_fn(from_leaves(self.spec, leaves), *whole)
 
 
 def _join(join: Join, t: torch.Tensor) -> torch.Tensor:

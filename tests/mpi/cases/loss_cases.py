@@ -230,11 +230,12 @@ def _pixel_share(loss_fn: Callable) -> Callable:
     weighted by its share of the pixels (exact for a per-pixel mean only)."""
     from fxpar.program.tileloss import TileLoss
 
-    def call(self: TileLoss, copy: int, tile: int, output, target):
-        box = self.grid.tile_rect(self.extent, tile)
+    def call(self: TileLoss, copy: int, tile: int, leaves, target):
+        (output,), (extent,) = leaves, self.extents  # one tiled output
+        box = self.grid.tile_rect(extent, tile)
         ys = target if isinstance(target, tuple) else (target,)
         cut = tuple(y[(..., *(slice(*iv) for iv in box.dims))] for y in ys)
-        share = box.size / math.prod(self.extent)
+        share = box.size / math.prod(extent)
         return loss_fn(output, *cut) * share * self.grid.size  # the runtime takes 1/P of it
     return call
 
