@@ -1,18 +1,23 @@
 """fxpar-inspect and fxpar-run as a user runs them."""
 
 import contextlib
+import csv
 import io
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fxpar.cli.inspect import main as inspect_main
 from fxpar.cli.run import main as run_main
+from fxpar.core.geometry import Rect
 from fxpar.testing import mpiexec
 
 BIN = Path(sys.executable).parent
@@ -89,21 +94,84 @@ def test_inspect_too_small_image_names_the_node():
     assert "image large enough" in r.stderr
 
 
+AUGMENT = "flip,rot90,affine,intensity,hed"
+
+
+def _slides(folder):
+    """Four RGB "slides" of 40x48 in a CSV of image,label rows (regions of 32x32 are drawn)."""
+    g = np.random.default_rng(0)
+    rows = ["image,label"]
+    for i in range(4):
+        np.save(folder / f"img{i}.npy", g.random((3, 40, 48)).astype(np.float32))
+        rows.append(f"img{i}.npy,{i % 2}")
+    (folder / "train.csv").write_text("\n".join(rows) + "\n")
+    return folder / "train.csv"
+
+
+def _one_process_losses(folder, steps):
+    """fxpar-run's run below on one process, in plain PyTorch: the same model (seed 0), the
+    same uniformly drawn, augmented whole regions (seed 0), AdamW with the warm-up and cosine,
+    clipping to norm 1, two micro-batches accumulated per step."""
+    from fxpar.data.augment import parse_augment
+    from fxpar.data.loader import ArrayImage, AugmentedBatches, Slide
+    from fxpar.data.sampling import Uniform
+    from fxpar.models.zoo import build_model
+    from fxpar.train.schedules import by_name
+
+    slides = [Slide(ArrayImage(np.load(folder / f"img{i}.npy")), label=i % 2) for i in range(4)]
+    source = AugmentedBatches(slides, Uniform(), parse_augment(AUGMENT), (32, 32), 4, seed=0,
+                              steps_per_epoch=1)
+    torch.manual_seed(0)
+    model = build_model("models:resnet_v2", depth=8, num_classes=10)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    schedule = by_name("cosine", steps, 1)(opt)
+    losses = []
+    for step in range(steps):
+        x, y = source.batch(step, Rect.whole((32, 32)))
+        opt.zero_grad()
+        loss = 0.0
+        for xc, yc in zip(x.tensor_split(2), y.tensor_split(2), strict=True):
+            part = F.cross_entropy(model(xc), yc) / 2
+            part.backward()
+            loss += part.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+        losses.append(loss)
+    return losses
+
+
 @pytest.mark.mpi
-def test_run_trains_under_mpiexec_with_progress():
-    r = run(mpiexec(), "-n", "1", str(BIN / "fxpar-run"), "models:resnet_v2", "-k", "depth=8",
-            "--image-size", "32", "--batch-size", "4", "--parts", "2", "--steps", "3",
-            "--lr", "0.05", "--optimizer", "adamw", "--lr-schedule", "cosine", "--warmup", "1",
-            "--ema", "0.99", "--clip-grad", "1.0")
+def test_run_trains_under_mpiexec_with_progress(tmp_path):
+    """SP2 x 2 micro-batches on 2 ranks, regions drawn and augmented from --data: each rank
+    reads its window of the augmented regions, and the losses are one process's on the whole
+    regions; rank 0 alone logs every step's progress values (CSV and JSON lines)."""
+    r = run(mpiexec(), "-n", "2", str(BIN / "fxpar-run"), "models:resnet_v2", "-k", "depth=8",
+            "--image-size", "32", "--batch-size", "4", "--parts", "2", "--spatial-parts", "2",
+            "--steps", "2", "--lr", "0.05", "--optimizer", "adamw", "--lr-schedule", "cosine",
+            "--warmup", "1", "--ema", "0.99", "--clip-grad", "1.0",
+            "--data", _slides(tmp_path), "--sampler", "uniform", "--augment", AUGMENT,
+            "--log-csv", tmp_path / "log.csv", "--log-jsonl", tmp_path / "log.jsonl")
     assert r.returncode == 0, r.stderr
+    assert "uniform regions of 32x32, augment flip,rot90,affine,intensity,hed" in r.stdout
     steps = [line for line in r.stdout.splitlines() if line.startswith("step")]
-    assert len(steps) == 3 and "loss" in steps[0] and "img/s" in steps[0]
+    assert len(steps) == 2 and "loss" in steps[0] and "img/s" in steps[0]
     # warm-up to --lr over 1 step, then the cosine; the norm the clipping measured
     assert "  lr 0.025  grad norm " in steps[0] and "  lr 0.05  grad norm " in steps[1]
     lines = r.stdout.splitlines()
     head = lines.index(next(line for line in lines if line.startswith("rank  stage  tile")))
     assert lines[head + 1].split()[:3] == ["0", "0", "0"]  # the per-rank table
     assert lines[-1].startswith("done: median")
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    table = list(csv.DictReader((tmp_path / "log.csv").open()))
+    assert [row["step"] for row in rows] == [1, 2], "one row per step: rank 0's alone"
+    assert [float(row["loss"]) for row in table] == [row["loss"] for row in rows]
+    for line, row in zip(steps, rows, strict=True):
+        assert f"loss {row['loss']:.6f}  lr {row['lr']:.4g}  grad norm {row['grad_norm']:.4g}" \
+            f"  {row['images_per_s']:8.2f} img/s  ({row['step_s']:.3f} s, data " \
+            f"{row['data_s']:.3f} s)" in line
+    want = _one_process_losses(tmp_path, 2)
+    assert [row["loss"] for row in rows] == pytest.approx(want, rel=1e-5), want
 
 
 def test_run_rejects_a_bad_plan_before_starting():
@@ -247,3 +315,72 @@ def test_run_recipe_flags_are_checked_with_what_to_change(args, message):
     r = call(run_main, "models:resnet_v2", "--image-size", "32", "--device", "cpu", *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert re.search(message, r.stderr), r.stderr
+
+
+def _data_csvs(folder):
+    """The CSVs the data-flag checks read: labels (+ a foreground column), masks, and one
+    that fixes its regions."""
+    labels = _slides(folder)
+    g = np.random.default_rng(1)
+    rows, fg = ["image,mask"], ["image,label,foreground"]
+    for i in range(4):
+        np.save(folder / f"mask{i}.npy", g.integers(0, 2, (1, 40, 48)).astype(np.uint8))
+        np.save(folder / f"fg{i}.npy", (g.random((5, 6)) > 0.5).astype(np.float32))
+        rows.append(f"img{i}.npy,mask{i}.npy")
+        fg.append(f"img{i}.npy,{i % 2},fg{i}.npy")
+    (folder / "masks.csv").write_text("\n".join(rows) + "\n")
+    (folder / "fg.csv").write_text("\n".join(fg) + "\n")
+    (folder / "fixed.csv").write_text("image,label,y,x\nimg0.npy,0,0,0\nimg1.npy,1,4,8\n")
+    return {"labels": labels, "masks": folder / "masks.csv", "fg": folder / "fg.csv",
+            "fixed": folder / "fixed.csv"}
+
+
+@pytest.mark.parametrize("data, args, message", [
+    (None, ("--augment", "flip"), "--augment draws and augments regions of the --data images, "
+                                  "but the data is synthetic"),
+    (None, ("--sampler", "uniform"), "--sampler draws and augments regions"),
+    ("labels", ("--sampler", "foreground"), "add a 'foreground' column to the --data CSV"),
+    ("labels", ("--sampler", "balanced"), "--sampler balanced centres regions on positive / "
+                                          "negative pixels of each image's mask"),
+    ("labels", ("--augment", "flip,blur"), "unknown transform 'blur'"),
+    ("labels", ("--augment", "affine:turn=3"), "affine takes degrees=<number>"),
+    ("labels", ("--sampler", "uniform", "--pos-neg", "3"), "--pos-neg 3: give pos:neg"),
+    ("labels", ("--augment", "flip", "--prefetch", "-1"), "give --prefetch >= 0"),
+    ("labels", ("--augment", "flip", "--no-shuffle"), "drop --no-shuffle"),
+    ("fixed", ("--sampler", "uniform"), r"fixed.csv:3: the row fixes its region \(origin "
+                                        r"\(4, 8\)\), but --sampler draws the regions"),
+])
+def test_run_data_flags_are_checked_with_what_to_change(tmp_path, data, args, message):
+    given = () if data is None else ("--data", _data_csvs(tmp_path)[data])
+    r = call(run_main, "models:resnet_v2", "--image-size", "32", "--batch-size", "2",
+             "--steps", "1", "--device", "cpu", *given, *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert re.search(message, r.stderr), r.stderr
+
+
+def test_run_draws_regions_by_a_tissue_mask_and_by_the_labels(tmp_path, monkeypatch):
+    """--sampler foreground (a CSV's foreground column) and balanced (its masks) train on one
+    process; --tensorboard without its package names the extra."""
+    csvs = _data_csvs(tmp_path)
+    r = call(run_main, _tiny(tmp_path), "--image-size", "24x32", "--batch-size", "2",
+             "--steps", "2", "--device", "cpu", "--data", csvs["fg"], "--sampler",
+             "foreground", "--augment", "flip,affine,hed", "--prefetch", "0")
+    assert r.returncode == 0, r.stderr
+    assert "foreground regions of 24x32, augment flip,affine,hed, no prefetch" in r.stdout
+    r = call(run_main, "models:unet", "--image-size", "32", "--batch-size", "2",
+             "--num-classes", "2", "--steps", "2", "--device", "cpu", "--data", csvs["masks"],
+             "--sampler", "balanced", "--pos-neg", "2:1", "--augment", "rot90,intensity")
+    assert r.returncode == 0, r.stderr
+    assert "(4 images, masks), balanced 2:1 regions of 32x32, augment rot90,intensity, " \
+           "prefetch 2, 2 steps per epoch" in r.stdout
+    assert sum(line.startswith("step ") for line in r.stdout.splitlines()) == 2
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    r = call(run_main, "models:resnet_v2", "--image-size", "32", "--device", "cpu",
+             "--tensorboard", tmp_path / "tb")
+    assert r.returncode == 2
+    assert f"--tensorboard {tmp_path / 'tb'} writes TensorBoard events, which needs the " \
+           "tensorboard package: pip install 'fxpar[tensorboard]'" in r.stderr, r.stderr
