@@ -63,16 +63,6 @@ def _register(cls: type) -> None:
                                                                   f"{cls.__qualname__}")
 
 
-def rebuild(spec: pytree.TreeSpec | None, leaves: Any) -> Any:
-    """The model's output from the last stage's value: its tuple of leaves put back in
-    ``spec``'s structure; the value as it is without a spec (one tensor)."""
-    if spec is None:
-        return leaves
-    if spec == LEAF:
-        return leaves[0] if isinstance(leaves, (tuple, list)) else leaves
-    return pytree.tree_unflatten(list(leaves), spec)
-
-
 def from_leaves(spec: pytree.TreeSpec | None, leaves: Sequence[Any]) -> Any:
     """The output from a tuple of its leaves (:func:`leaves_of` undone)."""
     return leaves[0] if spec is None or spec == LEAF else pytree.tree_unflatten(list(leaves),

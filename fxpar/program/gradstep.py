@@ -94,24 +94,6 @@ def total_norm(grads: list[torch.Tensor], norm_type: float, comm: Comm | None,
     return part[0] if math.isinf(p) else part[0].pow(1.0 / p)
 
 
-@torch.no_grad()
-def scale_by_norm(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
-    """Multiply ``grads`` in place by ``min(max_norm / (total + 1e-6), 1)``, as
-    ``torch.nn.utils.clip_grad_norm_`` (its coefficient in each gradient's dtype)."""
-    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    for (device, dtype), group in _by_dtype(grads).items():
-        torch._foreach_mul_(group, coef.to(device, dtype))
-
-
-@torch.no_grad()
-def clip_by_value(grads: list[torch.Tensor], clip_value: float) -> None:
-    """Clamp ``grads`` in place to ``[-clip_value, clip_value]`` (torch's clip_grad_value_)."""
-    v = float(clip_value)
-    for group in _by_dtype(grads).values():
-        torch._foreach_clamp_min_(group, -v)
-        torch._foreach_clamp_max_(group, v)
-
-
 @dataclass
 class Accumulation:
     """Where a rank program stands in a cycle of ``size`` calls that make one optimizer step."""

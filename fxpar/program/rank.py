@@ -184,14 +184,14 @@ class RankProgram:
         grads = [p.grad for p in gradstep.counted(self.program.rank_map, self.rank, self.stages)
                  if p.grad is not None]
         total = gradstep.total_norm(grads, norm_type, self.comm, self.device)
-        gradstep.scale_by_norm(self._grads(), max_norm, total)
+        torch.nn.utils.clip_grads_with_norm_(list(self.parameters()), max_norm, total)
         self.grad_norm = float(total)
         return self.grad_norm
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """``torch.nn.utils.clip_grad_value_`` on this rank's gradients (each GEMS copy):
         element-wise, so no communication; call it alike on every rank (a hook)."""
-        gradstep.clip_by_value(self._grads(), clip_value)
+        torch.nn.utils.clip_grad_value_(list(self.parameters()), clip_value)
 
     def _merge_stats(self) -> bool:
         return self.plan.copies > 1 or self.plan.data_parallel > 1

@@ -45,7 +45,7 @@ from fxpar.comm.mpi import Comm, Request
 from fxpar.comm.ordered import Sequencer
 from fxpar.core.geometry import Grid, Rect
 from fxpar.core.messages import Message, messages, transfer_kind
-from fxpar.core.outputs import leaves_of, rebuild
+from fxpar.core.outputs import from_leaves, leaves_of
 from fxpar.core.schedule import Action, Schedule, format_grid, split_keys
 from fxpar.core.stages import StageGraph, Transfer
 from fxpar.core.wire import Order
@@ -438,13 +438,13 @@ class Runtime:
     # -- spatial helpers ----------------------------------------------------------------------
     def _loss(self, a: Action, result: Any, target: Any) -> torch.Tensor:
         """The chunk's loss: on a tiled output through :attr:`tile_loss`, else ``loss_fn``."""
-        tl = self.tiling
+        tl, spec = self.tiling, self.graph.out_spec
+        leaves = leaves_of(spec, result)
         if tl is not None and tl.spatial(a.stage) and tl.out_tiled:
             if self.tile_loss is None:
                 raise RuntimeError("a tiled output needs the rank program's tile_loss")
-            return self.tile_loss(a.copy, self._my_tile(a), leaves_of(self.graph.out_spec,
-                                                                     result), target)
-        return self.loss_fn(rebuild(self.graph.out_spec, result), *targets_of(target))
+            return self.tile_loss(a.copy, self._my_tile(a), leaves, target)
+        return self.loss_fn(from_leaves(spec, leaves), *targets_of(target))
 
     def _loss_share(self, a: Action) -> float:
         """The part of the loss this rank carries: 1/P in a spatial stage, where the loss is
